@@ -1,0 +1,131 @@
+"""TreeExecutor against dense per-sequence computation: float64 parity on random tries, for every path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import VOCAB, cached_model, dense_grads, dense_logps, grads_of, make_model, max_rel_diff
+from trl_dta import PrefixTrie, TreeExecutor
+
+FAMILIES = [("qwen3", "sdpa"), ("qwen3", "eager"), ("llama", "sdpa"), ("llama", "eager")]
+TIGHT = 1e-10
+
+
+@st.composite
+def shared_prefix_sequences(draw, max_sequences=9, max_len=24):
+    """Sequences built by extending prefixes of earlier ones: deep tries with duplicates and with
+    sequences that are prefixes of others."""
+    alphabet = st.integers(0, VOCAB - 1)
+    seqs = [draw(st.lists(alphabet, min_size=2, max_size=max_len))]
+    for _ in range(draw(st.integers(1, max_sequences - 1))):
+        base = draw(st.sampled_from(seqs))
+        cut = draw(st.integers(0, len(base)))
+        tail = draw(st.lists(alphabet, min_size=0, max_size=max_len - cut))
+        seq = base[:cut] + tail
+        if len(seq) < 2:
+            seq = seq + [1, 2]
+        seqs.append(seq)
+    return seqs
+
+
+def loss_fn_for(seqs, use_entropy, seed=0):
+    """A sequence-level loss touching every token: weighted token sum, a squared sequence mean (couples
+    tokens), and optionally an entropy term."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(len(s) - 1, generator=gen, dtype=torch.float64) for s in seqs]
+
+    def loss_fn(i, logps, entropies):
+        w = weights[i].to(logps.dtype)
+        loss = (w * logps).sum() + 0.3 * logps.mean() ** 2
+        if use_entropy:
+            loss = loss - 0.1 * (entropies * w.abs()).sum()
+        return loss
+
+    return loss_fn
+
+
+def tree_grads(executor, model, trie, loss_fn, temperature, entropies):
+    model.zero_grad(set_to_none=True)
+    total = executor.backward(trie, loss_fn, temperature=temperature, entropies=entropies)
+    return grads_of(model), total
+
+
+@pytest.mark.parametrize("family,attn", FAMILIES)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seqs=shared_prefix_sequences(),
+    block_size=st.sampled_from([2, 3, 5, 1000]),
+    batch_tokens=st.sampled_from([0, 7, None]),
+    temperature=st.sampled_from([1.0, 0.7]),
+    use_entropy=st.booleans(),
+)
+def test_backward_matches_dense(family, attn, seqs, block_size, batch_tokens, temperature, use_entropy):
+    model = cached_model(family, attn)
+    loss_fn = loss_fn_for(seqs, use_entropy)
+    ref, ref_total = dense_grads(model, seqs, loss_fn, temperature)
+    executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens)
+    got, total = tree_grads(executor, model, PrefixTrie.from_sequences(seqs), loss_fn, temperature, use_entropy)
+    assert max_rel_diff(got, ref) < TIGHT
+    assert total == pytest.approx(ref_total, rel=1e-10, abs=1e-10)
+
+
+@pytest.mark.parametrize("family,attn", FAMILIES)
+@settings(max_examples=25, deadline=None)
+@given(
+    seqs=shared_prefix_sequences(),
+    block_size=st.sampled_from([2, 5, 1000]),
+    batch_tokens=st.sampled_from([0, None]),
+    temperature=st.sampled_from([1.0, 1.3]),
+)
+def test_logprobs_match_dense(family, attn, seqs, block_size, batch_tokens, temperature):
+    model = cached_model(family, attn)
+    executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens)
+    logps, ents = executor.logprobs(PrefixTrie.from_sequences(seqs), temperature=temperature, entropies=True)
+    plain = executor.logprobs(PrefixTrie.from_sequences(seqs), temperature=temperature)
+    with torch.no_grad():
+        for i, seq in enumerate(seqs):
+            lp, ent = dense_logps(model, seq, temperature)
+            assert logps[i].shape == (len(seq) - 1,)
+            torch.testing.assert_close(logps[i], lp, rtol=0, atol=1e-12)
+            torch.testing.assert_close(ents[i], ent, rtol=0, atol=1e-12)
+            torch.testing.assert_close(plain[i], lp, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("block_size,batch_tokens", [(1000, None), (3, 0), (4, 9)])
+def test_lora_backward_matches_dense(block_size, batch_tokens):
+    peft = pytest.importorskip("peft")
+    model = make_model("qwen3", "sdpa", seed=1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(model, config)
+    seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11], [5, 6, 7, 8, 11], [5, 6, 12, 13, 14, 15, 16], [5, 6, 7]]
+    loss_fn = loss_fn_for(seqs, use_entropy=True)
+    ref, _ = dense_grads(model, seqs, loss_fn)
+    assert ref and all("lora_" in name for name in ref)  # only adapters train, and they get gradients
+    executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens)
+    got, _ = tree_grads(executor, model, PrefixTrie.from_sequences(seqs), loss_fn, 1.0, True)
+    assert max_rel_diff(got, ref) < TIGHT
+
+
+def test_cached_forward_equals_dense_forward():
+    """The cache keyword is honoured: a forward on a cached prefix equals the dense forward."""
+    model = cached_model("qwen3", "sdpa")
+    executor = TreeExecutor(model)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    with torch.no_grad():
+        full = model.model(input_ids=ids).last_hidden_state
+        h1, kv = executor.lm.forward(ids[:, :4], 0, None)
+        h2, _ = executor.lm.forward(ids[:, 4:], 4, kv)
+    torch.testing.assert_close(torch.cat([h1, h2], dim=1), full, rtol=0, atol=1e-12)
+
+
+def test_probe_rejects_an_ignored_cache(monkeypatch):
+    """A model that swallows the cache keyword (as transformers 5.17 does with `cache=`) is refused."""
+    from trl_dta.causal_lm import CausalLM
+
+    model = make_model("qwen3", "sdpa")
+    monkeypatch.setattr(CausalLM, "_cache_keyword", lambda self: "unused_cache_keyword")
+    with pytest.raises(ValueError, match="ignores the passed KV cache"):
+        TreeExecutor(model)

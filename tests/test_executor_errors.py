@@ -1,0 +1,94 @@
+"""What the executor refuses (clear errors, never a wrong gradient) and the settings it works around."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import dense_grads, grads_of, make_model, max_rel_diff
+from trl_dta import PrefixTrie, TreeExecutor
+
+SEQS = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 7, 8, 9, 10]]
+
+
+def loss_fn(i, logps, entropies):
+    return -(logps * (i + 1)).sum()
+
+
+def test_active_dropout_is_refused():
+    model = make_model("qwen3", "sdpa", attention_dropout=0.1).train()
+    executor = TreeExecutor(model)  # construction probes in eval mode and restores train mode
+    assert model.training
+    with pytest.raises(ValueError, match="dropout is active"):
+        executor.backward(PrefixTrie.from_sequences(SEQS), loss_fn)
+    model.eval()
+    executor.backward(PrefixTrie.from_sequences(SEQS), loss_fn)  # fine without dropout
+
+
+def test_dropout_module_is_refused_in_train_mode():
+    model = make_model("llama", "sdpa")
+    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.2))
+    executor = TreeExecutor(model.train())
+    with pytest.raises(ValueError, match="layers.0.mlp.act_fn.1"):
+        executor.logprobs(PrefixTrie.from_sequences(SEQS))
+
+
+def test_gradient_checkpointing_is_suspended_and_restored():
+    model = make_model("qwen3", "sdpa").train()
+    model.gradient_checkpointing_enable()
+    ref, _ = dense_grads(model, SEQS, loss_fn)
+    executor = TreeExecutor(model, block_size=2)
+    model.zero_grad(set_to_none=True)
+    executor.backward(PrefixTrie.from_sequences(SEQS), loss_fn)
+    assert max_rel_diff(grads_of(model), ref) < 1e-10
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+
+
+def test_unsupported_attention_implementation():
+    model = make_model("qwen3", "sdpa")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="attention implementation 'flex_attention'"):
+        TreeExecutor(model)
+
+
+def test_moe_router_aux_loss_is_refused():
+    model = make_model("qwen3", "sdpa")
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits"):
+        TreeExecutor(model)
+
+
+def test_sequences_longer_than_sliding_window_are_refused():
+    model = make_model("qwen3", "sdpa", use_sliding_window=True, sliding_window=5, max_window_layers=0)
+    executor = TreeExecutor(model)
+    with pytest.raises(ValueError, match="sliding window"):
+        executor.backward(PrefixTrie.from_sequences(SEQS), loss_fn)
+    executor.logprobs(PrefixTrie.from_sequences([[1, 2, 3], [1, 2, 4, 5]]))  # within the window: fine
+
+
+def test_model_without_lm_head_is_refused():
+    model = make_model("qwen3", "sdpa").model  # the bare decoder
+    with pytest.raises(ValueError, match="not a decoder"):
+        TreeExecutor(model)
+
+
+def test_bad_arguments():
+    model = make_model("qwen3", "sdpa")
+    with pytest.raises(ValueError, match="block_size"):
+        TreeExecutor(model, block_size=0)
+    executor = TreeExecutor(model)
+    trie = PrefixTrie.from_sequences(SEQS)
+    with pytest.raises(ValueError, match="temperature"):
+        executor.logprobs(trie, temperature=0.0)
+    with pytest.raises(ValueError, match="scalar"):
+        executor.backward(trie, lambda i, lp, ent: lp)
+
+
+def test_probe_catches_a_logit_transform_not_reproduced():
+    """The executor applies the config's soft-capping; a model that does not is caught by the probe."""
+    model = make_model("qwen3", "sdpa")
+    executor = TreeExecutor(model)
+    model.config.final_logit_softcapping = 2.0  # the model itself does not apply it: the probe must object
+    with pytest.raises(ValueError, match="differs from the dense forward"):
+        TreeExecutor(model)
+    executor.lm.probe()  # the executor made before the change still matches the model

@@ -1,0 +1,117 @@
+"""What the walk costs: tokens forwarded, size of each forward and of each logits block, and peak memory
+held by autograd (flat in the number of leaves, unlike dense)."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import make_model
+from trl_dta import PrefixTrie, TreeExecutor
+from trl_dta.memory import SavedTensorMeter
+
+
+def sequences(prefix_len=40, groups=3, per_group=4, turn=9, tail=6, seed=0):
+    """A system prompt, groups sharing a prompt, then a shared first turn per group, then own tails."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(0, 61, (n,), generator=gen).tolist()  # noqa: E731
+    system = rand(prefix_len)
+    out = []
+    for _ in range(groups):
+        prompt, first = rand(turn), rand(turn)
+        out += [system + prompt + first + rand(tail + k) for k in range(per_group)]
+    return out
+
+
+class TokenCounter:
+    """Counts the tokens and calls that go through the input embeddings and the LM head rows per call."""
+
+    def __init__(self, model):
+        self.calls, self.tokens, self.head_rows = [], 0, []
+        self.handles = [
+            model.get_input_embeddings().register_forward_hook(self._embed),
+            model.get_output_embeddings().register_forward_hook(self._head),
+        ]
+
+    def _embed(self, module, args, output):
+        self.calls.append(args[0].numel())
+        self.tokens += args[0].numel()
+
+    def _head(self, module, args, output):
+        self.head_rows.append(args[0].shape[:-1].numel())
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def loss_fn(i, logps, entropies):
+    return -logps.sum()
+
+
+def test_every_unique_token_forwarded_once_without_chunking():
+    model = make_model("qwen3", "sdpa", dtype=torch.float32)
+    seqs = sequences()
+    trie = PrefixTrie.from_sequences(seqs)
+    executor = TreeExecutor(model, block_size=4096, batch_tokens=0)
+    counter = TokenCounter(model)
+    executor.backward(trie, loss_fn)
+    counter.remove()
+    assert counter.tokens == trie.num_unique_tokens
+    assert trie.num_unique_tokens < trie.num_tokens / 2  # the shapes really share
+
+
+def test_forward_and_logits_sizes_bounded_by_block_and_batch_budget():
+    model = make_model("llama", "sdpa", dtype=torch.float32)
+    trie = PrefixTrie.from_sequences(sequences())
+    block, budget = 8, 20
+    executor = TreeExecutor(model, block_size=block, batch_tokens=budget)
+    counter = TokenCounter(model)
+    executor.backward(trie, loss_fn)
+    counter.remove()
+    assert max(counter.calls) <= max(block, budget)
+    assert max(counter.head_rows) <= max(block, budget)
+    # chunked backward recomputes internal blocks, but never more than twice the unique tokens (+ padding)
+    assert trie.num_unique_tokens < counter.tokens < 2 * trie.num_unique_tokens + budget * len(counter.calls)
+
+
+def test_sibling_leaves_share_one_forward():
+    model = make_model("qwen3", "sdpa", dtype=torch.float32)
+    seqs = [[1, 2, 3, 4] + [10 + k, 11, 12] for k in range(8)]
+    executor = TreeExecutor(model, batch_tokens=64)
+    counter = TokenCounter(model)
+    executor.backward(PrefixTrie.from_sequences(seqs), loss_fn)
+    counter.remove()
+    assert counter.calls == [4, 8 * 3]
+
+
+def leaf_sequences(num_leaves, prefix=256, leaf=256):
+    gen = torch.Generator().manual_seed(num_leaves)
+    shared = torch.randint(0, 61, (prefix,), generator=gen).tolist()
+    # distinct first tokens: every leaf hangs directly off the shared prefix
+    return [shared + [k] + torch.randint(0, 61, (leaf - 1,), generator=gen).tolist() for k in range(num_leaves)]
+
+
+def tree_peak(num_leaves):
+    model = make_model("qwen3", "sdpa", dtype=torch.float32)
+    executor = TreeExecutor(model)
+    trie = PrefixTrie.from_sequences(leaf_sequences(num_leaves))
+    with SavedTensorMeter(model) as meter:
+        executor.backward(trie, loss_fn)
+    return meter.peak
+
+
+def dense_peak(num_leaves):
+    model = make_model("qwen3", "sdpa", dtype=torch.float32)
+    ids = torch.tensor(leaf_sequences(num_leaves))
+    with SavedTensorMeter(model) as meter:
+        logits = model(input_ids=ids).logits[:, :-1]
+        loss = -torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).sum()
+        loss.backward()
+    return meter.peak
+
+
+def test_peak_saved_memory_flat_in_number_of_leaves():
+    small, large = tree_peak(8), tree_peak(32)
+    assert large <= 1.25 * small, (small, large)
+    dense_small, dense_large = dense_peak(8), dense_peak(32)  # negative control: dense grows with the batch
+    assert 3.5 * dense_small <= dense_large <= 4.5 * dense_small, (dense_small, dense_large)

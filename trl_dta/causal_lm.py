@@ -1,0 +1,218 @@
+"""What the tree executor needs from a Hugging Face causal LM, and the checks that make it safe to use.
+
+:class:`CausalLM` wraps a ``transformers`` causal LM (plain or PEFT-wrapped) and offers two operations:
+
+* :meth:`CausalLM.forward`: run the decoder on new tokens on top of given past K/V and return the final
+  hidden states and the new tokens' own K/V (with their autograd graph when grad is enabled);
+* :meth:`CausalLM.logits`: the LM head, with the model's logit scale and soft-capping (the same transform
+  TRL's fused LM head applies), divided by a temperature, in at least float32.
+
+Models it cannot run exactly are rejected with a ``ValueError`` when wrapped; a short probe compares a
+forward on a cached prefix with the model's own dense forward, which catches a cache keyword the model
+silently ignores or an LM-head transform that is not reproduced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+# max |tree - dense| / max |dense| logits allowed in the probe, per dtype (bf16 has 8 mantissa bits)
+_PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+class _RecordingCache(DynamicCache):
+    """A DynamicCache pre-filled with the path's K/V that records each layer's new K/V as they arrive."""
+
+    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]] | None):
+        super().__init__(ddp_cache_data=past) if past else super().__init__()
+        self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.new[layer_idx] = (key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def _logit_scale(config) -> float:
+    """The multiplier a model applies to its logits (same lookup as TRL's fused LM head)."""
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return float(value)
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling is not None:
+        return float(scaling) if config.model_type == "hyperclovax" else 1.0 / float(scaling)
+    return 1.0
+
+
+class CausalLM:
+    """A causal LM seen as ``forward(tokens, past K/V) -> hidden, new K/V`` plus an LM head.
+
+    Args:
+        model: a ``transformers`` causal LM, or a PEFT model wrapping one (LoRA-style adapters; prompt
+            learning methods are rejected).
+        lm_head_fp32: run the LM head projection in float32 (TRL's ``cast_lm_head_to_fp32``).
+        probe: run the cached-vs-dense probe now (recommended; it costs one tiny forward).
+    """
+
+    def __init__(self, model: nn.Module, lm_head_fp32: bool = False, probe: bool = True):
+        self.model = model
+        base = model
+        if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+            if getattr(model.active_peft_config, "is_prompt_learning", False):
+                raise ValueError("PEFT prompt-learning methods add virtual tokens and are not supported; use LoRA.")
+            base = model.get_base_model()
+        self.base = base
+        self.config = base.config.get_text_config()
+        self.decoder = base.get_decoder()
+        self.lm_head = base.get_output_embeddings()
+        if self.decoder is None or self.decoder is base or self.lm_head is None:
+            raise ValueError(f"{type(base).__name__} is not a decoder + LM head causal LM; it is not supported.")
+        self.lm_head_fp32 = lm_head_fp32
+        if lm_head_fp32 and type(self.lm_head) is not nn.Linear:
+            raise ValueError("lm_head_fp32=True needs a plain nn.Linear LM head (no adapter on it).")
+        self.logit_scale = _logit_scale(self.config)
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.num_layers = self.config.num_hidden_layers
+        self.cache_keyword = self._cache_keyword()
+        self.sliding_window = self._sliding_window()
+        self._check_static()
+        if probe:
+            self.probe()
+
+    # ---------------------------------------------------------------- checks
+    def _cache_keyword(self) -> str:
+        params = inspect.signature(self.decoder.forward).parameters
+        for name in ("cache", "past_key_values"):  # transformers >= 5.24 / older
+            if name in params:
+                return name
+        raise ValueError(f"{type(self.decoder).__name__}.forward takes no KV cache; the tree walk needs one.")
+
+    def _sliding_window(self) -> int | None:
+        layer_types = getattr(self.config, "layer_types", None) or []
+        sliding = any("sliding" in t for t in layer_types) or getattr(self.config, "use_sliding_window", False)
+        window = getattr(self.config, "sliding_window", None)
+        return int(window) if sliding and window else None
+
+    def _check_static(self) -> None:
+        impl = getattr(self.config, "_attn_implementation", None) or "eager"
+        if impl not in SUPPORTED_ATTENTION:
+            raise ValueError(
+                f"attention implementation {impl!r} is not supported by the tree walk; use one of "
+                f"{SUPPORTED_ATTENTION} (attn_implementation=... in from_pretrained)."
+            )
+        if getattr(self.config, "output_router_logits", False):
+            raise ValueError(
+                "MoE router auxiliary losses (output_router_logits=True) are batch statistics the tree walk cannot "
+                "reproduce; set config.output_router_logits=False."
+            )
+
+    def check_call(self, max_length: int) -> None:
+        """Checks that depend on the model's current mode and on the sequences of a call."""
+        if self.model.training:
+            dropouts = [n for n, m in self.model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+            if dropouts or getattr(self.config, "attention_dropout", 0.0):
+                where = dropouts[0] if dropouts else "config.attention_dropout"
+                raise ValueError(
+                    f"dropout is active ({where}): a shared prefix would share one dropout mask, so the tree walk "
+                    "would not equal the dense computation. Put the model in eval mode or disable dropout "
+                    "(TRL's disable_dropout=True)."
+                )
+        if self.sliding_window is not None and max_length > self.sliding_window:
+            raise ValueError(
+                f"a sequence of {max_length} tokens exceeds the model's sliding window ({self.sliding_window}); "
+                "sliding-window attention over a cached prefix is not supported."
+            )
+
+    @contextlib.contextmanager
+    def no_gradient_checkpointing(self):
+        """Switch gradient checkpointing off for the walk (HF layers drop a passed cache under it), then restore."""
+        switched = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+        if switched and self.model.training:
+            logger.warning(
+                "Gradient checkpointing is on: it makes decoder layers drop the KV cache, so it is switched off "
+                "during the tree walk and restored afterwards (the walk bounds activation memory itself)."
+            )
+        for m in switched:
+            m.gradient_checkpointing = False
+        try:
+            yield
+        finally:
+            for m in switched:
+                m.gradient_checkpointing = True
+
+    @torch.no_grad()
+    def probe(self) -> None:
+        """Compare a forward on a cached prefix with the model's own dense forward; raise if they differ."""
+        device = self.lm_head.weight.device
+        vocab = self.lm_head.weight.shape[0]
+        ids = (torch.arange(8, device=device) * 7919 + 11) % vocab
+        ids = ids.unsqueeze(0)
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()  # the probe must not see dropout
+        try:
+            dense = self.model(input_ids=ids, use_cache=False).logits.to(torch.float64)
+            h1, kv = self.forward(ids[:, :5], 0, None)
+            h2, _ = self.forward(ids[:, 5:], 5, kv)
+            tree = self.logits(torch.cat([h1, h2], dim=1), 1.0).to(torch.float64)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+        dtype = self.lm_head.weight.dtype
+        err = ((tree - dense).abs().max() / dense.abs().max().clamp_min(1e-30)).item()
+        if not err <= _PROBE_TOLERANCE.get(dtype, 5e-2):
+            raise ValueError(
+                f"{type(self.base).__name__}: a forward on a cached prefix differs from the dense forward "
+                f"(relative error {err:.2e}). The model ignores the passed KV cache (keyword "
+                f"{self.cache_keyword!r}) or transforms its logits in a way the tree walk does not reproduce; "
+                "it is not supported."
+            )
+
+    # ---------------------------------------------------------------- compute
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start: int,
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Decode ``input_ids`` ([B, L], positions ``start..start+L-1``) on top of ``past`` (per layer K, V of
+        shape [B, kv_heads, start, head_dim]). Returns hidden states [B, L, D] and the new K/V per layer."""
+        batch, length = input_ids.shape
+        cache = _RecordingCache(past)
+        positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
+        out = self.decoder(input_ids=input_ids, position_ids=positions, use_cache=True, **{self.cache_keyword: cache})
+        if not cache.new:
+            raise ValueError(
+                f"{type(self.base).__name__} ignores the passed KV cache (keyword {self.cache_keyword!r}); "
+                "the tree walk needs a model that attends to a given past."
+            )
+        if len(cache.new) != self.num_layers:
+            raise ValueError(
+                f"{type(self.base).__name__}: {len(cache.new)} of {self.num_layers} layers wrote to the KV cache; "
+                "models that share or skip K/V across layers are not supported."
+            )
+        return out.last_hidden_state, [cache.new[i] for i in range(self.num_layers)]
+
+    def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+        """LM head logits of ``hidden`` in float32 (float64 for a float64 model), scaled, soft-capped, / T."""
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        if self.lm_head_fp32:
+            with torch.autocast(hidden.device.type, enabled=False):
+                bias = None if self.lm_head.bias is None else self.lm_head.bias.float()
+                z = nn.functional.linear(hidden.float(), self.lm_head.weight.float(), bias)
+        else:
+            z = self.lm_head(hidden)
+        z = z.to(dtype)
+        if self.logit_scale != 1.0:
+            z = z * self.logit_scale
+        if self.softcap is not None:
+            z = self.softcap * torch.tanh(z / self.softcap)
+        return z / temperature if temperature != 1.0 else z

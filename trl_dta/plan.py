@@ -1,0 +1,142 @@
+"""The walk schedule: the order in which the executor forwards and backpropagates a prefix trie.
+
+A plan is a flat list of three kinds of steps, computed from the trie alone (no model, no tensors), so that
+the executor's loop stays small and the schedule can be tested on its own:
+
+* :class:`Push` forwards one *segment* (at most ``block_size`` tokens of a trie node) on top of the K/V of
+  the segments already on the stack, and pushes it. ``keep_graph`` says whether its autograd graph is kept
+  until it is popped; if not, it is forwarded without a graph now and recomputed with one when popped
+  (chunked backward). ``terminals`` are the sequences that end with this segment.
+* :class:`Leaves` forwards a batch of sibling leaf segments in one call on top of the stack, computes their
+  sequences' losses and backpropagates them at once. A leaf is never forwarded without a graph (cut tail).
+* :class:`Pop` backpropagates the top segment with the gradients its descendants sent into its K/V,
+  last hidden state and log-probs, then frees it.
+
+Rules:
+
+* A trie node longer than ``block_size`` is cut into a chain of segments of ``block_size`` tokens, the last
+  one holding the remainder; for a leaf node the last piece is the leaf.
+* Pushed segments keep their graph while the tokens with a kept graph on the stack stay within
+  ``block_size`` (greedy from the root down: the segments nearest the root are the ones every path
+  shares). The others are recomputed at pop. With ``block_size`` at least the longest path, every token
+  is forwarded exactly once.
+* Sibling leaves (leaf children of the same node, at most ``block_size`` long) are batched in walk order
+  (shortest first, so little padding) while ``rows x longest row <= batch_tokens``; ``batch_tokens=0``
+  forwards one leaf per call.
+* Children are visited in :meth:`PrefixTrie.walk_children` order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .trie import PrefixTrie, TrieNode
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens ``[start, end)`` of the path through ``node`` (a piece of the node, or all of it)."""
+
+    node: TrieNode
+    start: int
+    end: int
+    terminals: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Push:
+    segment: Segment
+    keep_graph: bool
+
+
+@dataclass(frozen=True)
+class Leaves:
+    segments: tuple[Segment, ...]
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.segments) * max(s.num_tokens for s in self.segments)
+
+
+@dataclass(frozen=True)
+class Pop:
+    segment: Segment
+    keep_graph: bool
+
+
+Step = Push | Leaves | Pop
+
+
+@dataclass
+class _Builder:
+    trie: PrefixTrie
+    block_size: int
+    batch_tokens: int
+    steps: list[Step] = field(default_factory=list)
+    graph_tokens: int = 0  # tokens with a kept graph currently on the stack
+
+    def _pieces(self, node: TrieNode) -> list[Segment]:
+        cuts = list(range(node.start, node.end, self.block_size)) + [node.end]
+        pieces = [Segment(node, a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+        last = pieces[-1]
+        pieces[-1] = Segment(node, last.start, last.end, tuple(node.terminals))
+        return pieces
+
+    def _push(self, segment: Segment) -> Push:
+        keep = self.graph_tokens + segment.num_tokens <= self.block_size
+        if keep:
+            self.graph_tokens += segment.num_tokens
+        step = Push(segment, keep)
+        self.steps.append(step)
+        return step
+
+    def _pop(self, push: Push) -> None:
+        if push.keep_graph:
+            self.graph_tokens -= push.segment.num_tokens
+        self.steps.append(Pop(push.segment, push.keep_graph))
+
+    def _flush(self, batch: list[Segment]) -> None:
+        if batch:
+            self.steps.append(Leaves(tuple(batch)))
+            batch.clear()
+
+    def visit_children(self, node: TrieNode) -> None:
+        batch: list[Segment] = []
+        for child in self.trie.walk_children(node):
+            if child.is_leaf and child.num_tokens <= self.block_size:
+                segment = self._pieces(child)[0]
+                rows, longest = len(batch) + 1, max([s.num_tokens for s in batch] + [segment.num_tokens])
+                if batch and rows * longest > self.batch_tokens:
+                    self._flush(batch)
+                batch.append(segment)
+                continue
+            self._flush(batch)
+            self.visit(child)
+        self._flush(batch)
+
+    def visit(self, node: TrieNode) -> None:
+        pieces = self._pieces(node)
+        if node.is_leaf:  # a leaf longer than a block: a chain of pushes ending in a one-row Leaves step
+            pieces, tail = pieces[:-1], pieces[-1]
+        pushes = [self._push(p) for p in pieces]
+        if node.is_leaf:
+            self.steps.append(Leaves((tail,)))
+        else:
+            self.visit_children(node)
+        for push in reversed(pushes):
+            self._pop(push)
+
+
+def build_plan(trie: PrefixTrie, block_size: int, batch_tokens: int) -> list[Step]:
+    """The list of steps that walks ``trie`` (see the module docstring for the rules)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if batch_tokens < 0:
+        raise ValueError(f"batch_tokens must be >= 0, got {batch_tokens}")
+    builder = _Builder(trie, block_size, batch_tokens)
+    builder.visit_children(trie.root)
+    return builder.steps
