@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "PrefixTrie": "trl_dta.trie",
     "TreeExecutor": "trl_dta.executor",
+    "TreePPOConfig": "trl_dta.config",
+    "TreePPOTrainer": "trl_dta.trainer",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,0 +1,132 @@
+"""TreePPOTrainer against stock GRPOTrainer: same initial weights, same scripted batches (prompt and a first
+tool-call turn shared within each group), same gradients at every optimizer step, in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from grpo_setup import GradRecorder, ScriptedGenerationMixin, ScriptedGRPOTrainer, make_config, make_trainer, tiny_model
+from trl import GRPOConfig
+
+from conftest import max_rel_diff
+from trl_dta import TreePPOConfig, TreePPOTrainer
+
+TreeScripted = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
+TOL = 1e-4  # per tensor max|diff| / max|reference|, fp32
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny model saved once: both trainers (and TRL's reference model, for beta > 0) load it by path."""
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    tiny_model(seed=0).save_pretrained(path)
+    return str(path)
+
+
+def train(trainer_cls, config_cls, model, tmp_path, peft_config=None, **overrides):
+    recorder = GradRecorder()
+    config = make_config(tmp_path / trainer_cls.__name__, config_cls=config_cls, **overrides)
+    trainer = make_trainer(trainer_cls, config, model=model, callbacks=[recorder], peft_config=peft_config)
+    trainer.train()
+    return trainer, recorder.grads
+
+
+def assert_same_gradients(tmp_path, model, peft_config=None, **overrides):
+    stock, ref = train(ScriptedGRPOTrainer, GRPOConfig, model, tmp_path, peft_config, **overrides)
+    tree, got = train(TreeScripted, TreePPOConfig, model, tmp_path, peft_config, **overrides)
+    assert len(ref) == len(got) == overrides.get("max_steps", 2)
+    for step, (g, r) in enumerate(zip(got, ref)):
+        assert max_rel_diff(g, r) <= TOL, f"step {step}"
+    return stock.state.log_history, tree.state.log_history
+
+
+# lr large enough that the second step's ratios move and get clipped
+MOVING = dict(learning_rate=2.0, max_steps=2, num_iterations=2)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo"])
+def test_gradients_equal_stock_trl_for_each_loss_type(tmp_path, model_dir, loss_type):
+    stock_logs, tree_logs = assert_same_gradients(tmp_path, model_dir, loss_type=loss_type, **MOVING)
+    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        assert stock_logs[1]["clip_ratio/region_mean"] > 0  # clipping is really exercised at step 2
+    for key in ("loss", "entropy", "reward"):
+        assert tree_logs[0][key] == pytest.approx(stock_logs[0][key], rel=1e-4, abs=1e-6)
+    assert tree_logs[0]["tree/dedup_ratio"] > 2.0
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(beta=0.04),
+        dict(beta=0.04, use_bias_correction_kl=True, importance_sampling_level="sequence"),
+        dict(top_entropy_quantile=0.5, loss_type="bnpo"),
+        dict(entropy_coef=0.01, off_policy_mask_threshold=0.01, delta=1.5, epsilon_high=0.3),
+        dict(mask_truncated_completions=True, temperature=0.7),
+    ],
+    ids=["kl", "kl-bias-sequence", "entropy-quantile", "entropy-bonus-opsm-delta", "mask-truncated-temperature"],
+)
+def test_gradients_equal_stock_trl_for_options(tmp_path, model_dir, options):
+    stock_logs, _ = assert_same_gradients(tmp_path, model_dir, **{**MOVING, **options})
+    if options.get("beta"):
+        assert stock_logs[1]["kl"] > 0  # the KL term has a gradient at step 2
+
+
+def test_lora_gradients_equal_stock_trl(tmp_path, model_dir):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    assert_same_gradients(tmp_path, model_dir, peft_config=lora, beta=0.04, **MOVING)
+
+
+def test_dense_logprob_path_never_called(tmp_path, model_dir, monkeypatch):
+    from trl import GRPOTrainer
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the dense log-prob path was called")
+
+    monkeypatch.setattr(GRPOTrainer, "_get_per_token_logps_and_entropies", forbidden)
+    train(TreeScripted, TreePPOConfig, model_dir, tmp_path, beta=0.04, **MOVING)
+
+
+def test_gradient_self_check_passes_and_gradient_checkpointing_is_handled(tmp_path, model_dir):
+    _, got = train(TreeScripted, TreePPOConfig, model_dir, tmp_path, tree_check_gradients=True,
+                   gradient_checkpointing=True, **MOVING)  # fmt: skip
+    _, ref = train(ScriptedGRPOTrainer, GRPOConfig, model_dir, tmp_path, **MOVING)
+    for g, r in zip(got, ref):
+        assert max_rel_diff(g, r) <= TOL
+
+
+def test_bad_settings_are_refused(tmp_path, model_dir):
+    with pytest.raises(ValueError, match="tree_block_size"):
+        make_config(tmp_path, config_cls=TreePPOConfig, tree_block_size=0)
+    config = make_config(tmp_path, config_cls=TreePPOConfig, disable_dropout=False)
+    model = tiny_model(seed=0, attention_dropout=0.1)
+    trainer = make_trainer(TreeScripted, config, model=model)
+    with pytest.raises(ValueError, match="dropout is active"):
+        trainer.train()
+
+
+def test_resume_from_checkpoint_continues_with_same_gradients(tmp_path, model_dir):
+    steps = dict(learning_rate=0.5, num_iterations=2, max_steps=4, save_strategy="steps", save_steps=2)
+    _, full = train(TreeScripted, TreePPOConfig, model_dir, tmp_path / "full", **steps)
+    recorder = GradRecorder()
+    config = make_config(tmp_path / "resumed", config_cls=TreePPOConfig, **steps)
+    first = make_trainer(TreeScripted, config, model=model_dir)
+    first.args.max_steps = 2
+    first.train()
+    config = make_config(tmp_path / "resumed", config_cls=TreePPOConfig, **steps)
+    second = make_trainer(TreeScripted, config, model=model_dir, callbacks=[recorder])
+    second.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-2"))
+    assert len(recorder.grads) == 2
+    for g, r in zip(recorder.grads, full[2:]):
+        assert max_rel_diff(g, r) <= TOL
+
+
+def test_save_and_reload_round_trips(tmp_path, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    trainer, _ = train(TreeScripted, TreePPOConfig, model_dir, tmp_path, **MOVING)
+    trainer.save_model(str(tmp_path / "final"))
+    reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    for (name, p), (_, q) in zip(trainer.model.named_parameters(), reloaded.named_parameters()):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0, msg=name)

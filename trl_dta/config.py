@@ -1,0 +1,53 @@
+"""TreePPOConfig: TRL's GRPOConfig plus the tree walk's options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+
+@dataclass
+class TreePPOConfig(GRPOConfig):
+    """Configuration for :class:`~trl_dta.TreePPOTrainer`: every ``GRPOConfig`` field, plus:
+
+    Args:
+        tree_block_size (`int`, defaults to 2048):
+            Most tokens forwarded with an autograd graph kept on the walk's stack, and longest forwarded
+            segment. Longer paths use chunked backward (blocks forwarded without a graph are recomputed
+            when popped). Larger is faster and uses more activation memory.
+        tree_batch_tokens (`int` or `None`, defaults to `None`):
+            Budget (rows x longest row, padding included) for forwarding sibling leaves together on their
+            shared prefix. `None` uses `tree_block_size`; 0 forwards one leaf per call.
+        tree_check_gradients (`bool`, defaults to `False`):
+            On the first training step, also compute the micro-batch's gradients the dense TRL way and raise
+            if the tree walk's gradients differ (relative tolerance `tree_check_tolerance`). Costs one dense
+            forward/backward, once.
+        tree_check_tolerance (`float`, defaults to 1e-3):
+            Largest allowed per-tensor ``max|tree - dense| / max|dense|`` for `tree_check_gradients`.
+
+    Defaults that differ from ``GRPOConfig``: ``disable_dropout=True`` (a shared prefix shares one dropout
+    mask, so the walk equals the dense loss only without dropout) and ``gradient_checkpointing=False`` (the
+    walk bounds activation memory itself; if turned on, the walk switches it off for its own forwards and
+    restores it after, and TRL's generation is unchanged).
+    """
+
+    tree_block_size: int = field(default=2048, metadata={"help": "Tokens with a kept graph on the walk's stack."})
+    tree_batch_tokens: int | None = field(
+        default=None, metadata={"help": "Padded-token budget for batching sibling leaves (None: tree_block_size)."}
+    )
+    tree_check_gradients: bool = field(
+        default=False, metadata={"help": "Compare the first step's gradients with the dense path; raise if off."}
+    )
+    tree_check_tolerance: float = field(default=1e-3, metadata={"help": "Tolerance of tree_check_gradients."})
+    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout (required for exactness)."})
+    gradient_checkpointing: bool = field(
+        default=False, metadata={"help": "Not needed by the tree walk; if on, it is suspended during the walk."}
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.tree_block_size < 1:
+            raise ValueError(f"tree_block_size must be >= 1, got {self.tree_block_size}")
+        if self.tree_batch_tokens is not None and self.tree_batch_tokens < 0:
+            raise ValueError(f"tree_batch_tokens must be >= 0, got {self.tree_batch_tokens}")
