@@ -10,10 +10,12 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "DFSPartitionSampler": "trl_dta.partition",
     "PrefixTrie": "trl_dta.trie",
     "TreeExecutor": "trl_dta.executor",
     "TreePPOConfig": "trl_dta.config",
     "TreePPOTrainer": "trl_dta.trainer",
+    "dfs_partition": "trl_dta.partition",
 }
 
 __all__ = sorted(_EXPORTS)

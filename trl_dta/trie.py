@@ -126,6 +126,7 @@ class PrefixTrie:
         self.sequences: list[np.ndarray] = []
         self._lengths = np.zeros(0, dtype=np.int64)
         self._lex_order: list[int] = []
+        self._lex_lcp: list[int] = []
         self._end_node: list[TrieNode] = []
         self._num_nodes = 0
         self._num_leaves = 0
@@ -188,6 +189,7 @@ class PrefixTrie:
         trie.sequences = seqs
         trie._lengths = lengths
         trie._lex_order = order
+        trie._lex_lcp = lcp
         trie._build(order, lcp)
         return trie
 
@@ -301,6 +303,15 @@ class PrefixTrie:
     def lexicographic_order(self) -> list[int]:
         """Sequence indices sorted lexicographically (prefix before extension, ties by index)."""
         return list(self._lex_order)
+
+    def lexicographic_lcp(self) -> list[int]:
+        """``lcp[k]``: longest common prefix of the k-th sequence in :meth:`lexicographic_order` with the
+        one before it (``lcp[0] = 0``). ``len(seq) - lcp`` is what a sequence adds to the trie's unique
+        tokens after its lexicographic predecessor."""
+        return list(self._lex_lcp)
+
+    def sequence_length(self, i: int) -> int:
+        return int(self._lengths[i])
 
     def path(self, i: int) -> list[TrieNode]:
         """The nodes from the root (excluded) down to the node where sequence ``i`` ends."""

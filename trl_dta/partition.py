@@ -1,0 +1,111 @@
+"""Split a step's rollouts across data-parallel ranks: contiguous runs of the DFS (lexicographic) order with
+balanced unique-token cost.
+
+Sorted lexicographically, sequences that share prefixes sit next to each other, so a contiguous run of
+that order keeps its sharing: the cost of a run (the unique tokens of its prefix trie) is the first
+sequence's length plus, for each following sequence, its length minus its longest common prefix with its
+predecessor. That cost only grows when a run is extended on either side, so for a threshold ``T`` the
+greedy scan (extend the current run while its cost stays <= T, else start a new one) uses the fewest runs
+possible; binary search on ``T`` then gives the smallest maximum cost over all contiguous splits of the
+order into ``num_parts`` runs. Each cut duplicates at most one sequence's shared prefix, i.e. at most
+``(num_parts - 1) x`` the longest sequence in all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from .trie import PrefixTrie
+
+
+def _runs(starts_cost: np.ndarray, cum: np.ndarray, threshold: int, n: int) -> list[int] | None:
+    """Greedy cut points (run starts) for ``threshold``, or None if a single sequence exceeds it."""
+    starts, a = [], 0
+    while a < n:
+        if starts_cost[a] > threshold:
+            return None
+        starts.append(a)
+        # largest b with cost(a..b-1) = len_a + cum[b] - cum[a+1] <= threshold
+        a = int(np.searchsorted(cum, threshold - starts_cost[a] + cum[a + 1], side="right")) - 1
+    return starts
+
+
+def dfs_partition(sequences: Sequence[Any] | PrefixTrie, num_parts: int) -> list[list[int]]:
+    """Indices of ``sequences`` for each of ``num_parts`` parts: contiguous runs of the lexicographic order
+    whose largest unique-token cost is the smallest possible over all such splits.
+
+    ``sequences`` are token-id sequences (as for :meth:`PrefixTrie.from_sequences`) or an already built
+    trie. Every index appears in exactly one part; within a part, indices are in lexicographic order.
+    Runs that cost more than others are split further while there are fewer runs than parts, so every
+    part gets sequences when there are at least ``num_parts``; with fewer sequences than parts, each of
+    the first ``len(sequences)`` parts gets one and the remaining parts are empty.
+    """
+    if num_parts < 1:
+        raise ValueError(f"num_parts must be >= 1, got {num_parts}")
+    trie = sequences if isinstance(sequences, PrefixTrie) else PrefixTrie.from_sequences(sequences)
+    order = trie.lexicographic_order()
+    n = len(order)
+    lengths = np.array([trie.sequence_length(i) for i in order], dtype=np.int64)
+    increments = lengths - np.array(trie.lexicographic_lcp(), dtype=np.int64)
+    cum = np.concatenate([[0], np.cumsum(increments)])  # cum[k] = sum of increments before k
+    lo, hi = int(increments.max()), int(cum[-1])  # a run pays at least its largest increment; one run pays all
+    while lo < hi:
+        mid = (lo + hi) // 2
+        runs = _runs(lengths, cum, mid, n)
+        if runs is not None and len(runs) <= num_parts:
+            hi = mid
+        else:
+            lo = mid + 1
+    starts = _runs(lengths, cum, lo, n)
+    bounds = list(zip(starts, starts[1:] + [n]))
+    while len(bounds) < min(num_parts, n):  # split the costliest run that can be split
+        cost = lambda r: lengths[r[0]] + cum[r[1]] - cum[r[0] + 1]  # noqa: E731
+        k = max((k for k, r in enumerate(bounds) if r[1] - r[0] > 1), key=lambda k: cost(bounds[k]))
+        a, b = bounds[k]
+        # cut where the two halves' larger cost is smallest
+        cut = min(range(a + 1, b), key=lambda c: max(cost((a, c)), cost((c, b))))
+        bounds[k : k + 1] = [(a, cut), (cut, b)]
+    parts = [order[a:b] for a, b in bounds]
+    return parts + [[] for _ in range(num_parts - len(parts))]
+
+
+def part_cost(trie: PrefixTrie, part: Sequence[int]) -> int:
+    """Unique tokens of the sub-trie of the sequences in ``part`` (a brute-force count, for checks)."""
+    prefixes = set()
+    for i in part:
+        seq = trie.sequences[i].tolist()
+        prefixes.update(tuple(seq[: k + 1]) for k in range(len(seq)))
+    return len(prefixes)
+
+
+class DFSPartitionSampler(Sampler[int]):
+    """Like ``DistributedSampler``, but the indices of ``sequences`` are split with :func:`dfs_partition`:
+    this rank gets one contiguous run of the DFS order, with balanced unique-token cost across ranks.
+
+    Args:
+        sequences: the step's rollouts as token-id sequences, identical on every rank (gathered).
+        num_replicas: number of ranks (default: the process group's world size, else 1).
+        rank: this rank (default: the process group's rank, else 0).
+    """
+
+    def __init__(self, sequences: Sequence[Any], num_replicas: int | None = None, rank: int | None = None):
+        if num_replicas is None or rank is None:
+            import torch.distributed as dist
+
+            ready = dist.is_available() and dist.is_initialized()
+            num_replicas = num_replicas if num_replicas is not None else (dist.get_world_size() if ready else 1)
+            rank = rank if rank is not None else (dist.get_rank() if ready else 0)
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
+        self.num_replicas, self.rank = num_replicas, rank
+        self.indices = dfs_partition(sequences, num_replicas)[rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
