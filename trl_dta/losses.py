@@ -75,17 +75,22 @@ class RowLoss:
         entropy_mask: TRL's top-entropy-quantile mask of the micro-batch, or None.
         entropy_coef: the entropy bonus coefficient applied in this step (0 for none).
         training: whether the normalisers are those of training (gradient accumulation) or evaluation.
+        rows: the row count of the row-counting normalisers (grpo, sapo, luspo, dr_grpo); default: the
+            micro-batch's rows. A re-partitioned micro-batch padded with zero-weight rows passes the
+            configured per-device batch size, which keeps the global objective of stock TRL.
 
     ``logps``/``entropies`` passed to the call are the row's completion log-probs/entropies over its first
     ``n <= T`` completion positions (the rest of the row is masked); they keep their autograd graph.
     """
 
-    def __init__(self, settings, inputs, accumulation_steps, entropy_mask=None, entropy_coef=0.0, training=True):
+    def __init__(
+        self, settings, inputs, accumulation_steps, entropy_mask=None, entropy_coef=0.0, training=True, rows=None
+    ):
         self.s = settings
         self.inputs = inputs
         mask = inputs["completion_mask"]
         self.mask = mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
-        self.rows = self.mask.shape[0]
+        self.rows = self.mask.shape[0] if rows is None else rows
         advantages = inputs["advantages"]
         self.advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         self.entropy_mask = entropy_mask

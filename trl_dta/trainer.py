@@ -26,6 +26,7 @@ import torch
 from accelerate.utils import DistributedType
 from trl import GRPOTrainer
 
+from . import distributed
 from .config import TreePPOConfig
 from .executor import TreeExecutor
 from .losses import LossSettings, RowLoss
@@ -58,12 +59,21 @@ class TreePPOTrainer(GRPOTrainer):
             raise ValueError("fp16 mixed precision (gradient scaling) is not supported by the tree walk; use bf16.")
         if getattr(a, "use_liger_kernel", False):
             raise ValueError("use_liger_kernel replaces the loss computation; it is not supported by the tree walk.")
-        if self.accelerator.num_processes > 1 or self.accelerator.distributed_type not in (DistributedType.NO,):
+        kind = self.accelerator.distributed_type
+        if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
             raise ValueError(
-                "TreePPOTrainer runs on a single process for now (multi-process training with a DFS-partitioned "
-                f"batch is not implemented yet); got {self.accelerator.distributed_type} with "
-                f"{self.accelerator.num_processes} processes."
+                f"{kind} is not supported: the tree walk makes many forward calls per step, and sharded "
+                "training (FSDP, DeepSpeed ZeRO-3) gathers parameters on each; use single process or DDP "
+                "(multi-GPU / multi-CPU)."
             )
+        self._multi_process = self.accelerator.num_processes > 1
+        if self._multi_process and self._tree_check:
+            raise ValueError("tree_check_gradients runs on a single process only.")
+        # Re-partition the global batch along the DFS order, unless the loss has per-micro-batch statistics
+        # (bnpo, top_entropy_quantile, entropy bonus): those keep TRL's per-rank batches.
+        self._repartition = self._multi_process and not (
+            self.loss_type == "bnpo" or self.top_entropy_quantile < 1.0 or self._entropy_bonus_enabled
+        )
 
     # ------------------------------------------------------------------ helpers
     def _executor(self, model) -> TreeExecutor:
@@ -91,6 +101,14 @@ class TreePPOTrainer(GRPOTrainer):
     def _trie(rows):
         kept = [i for i, r in enumerate(rows) if r is not None]
         return (PrefixTrie.from_sequences([rows[i][0] for i in kept]) if kept else None), kept
+
+    # ------------------------------------------------------------------ multi-process: DFS re-partition
+    def _generate_and_score_completions(self, inputs):
+        output = super()._generate_and_score_completions(inputs)
+        if self._repartition and self.model.training:
+            output, info = distributed.repartition(output, multiple=self.args.steps_per_generation)
+            self._metrics["train"]["tree/rank_rows"].append(info["rows"])
+        return output
 
     # ------------------------------------------------------------------ TRL's no-grad log-prob passes
     def _get_per_token_logps_and_entropies(
@@ -148,7 +166,8 @@ class TreePPOTrainer(GRPOTrainer):
                 entropy_coef = 0.0
         training = mode == "train"
         accumulation = self.current_gradient_accumulation_steps if training else 1
-        row_loss = RowLoss(self._loss_settings, inputs, accumulation, entropy_mask, entropy_coef, training)
+        rows_norm = self.args.per_device_train_batch_size if (self._repartition and training) else None
+        row_loss = RowLoss(self._loss_settings, inputs, accumulation, entropy_mask, entropy_coef, training, rows_norm)
 
         logps = torch.zeros(shape, device=mask.device)
         entropies = torch.zeros(shape, device=mask.device)
@@ -177,6 +196,9 @@ class TreePPOTrainer(GRPOTrainer):
                     lps, ents = executor.logprobs(trie, self.temperature, entropies=True)
                     row_total = sum(float(loss_fn(k, lp, ent)) for k, (lp, ent) in enumerate(zip(lps, ents)))
         elapsed = time.perf_counter() - started
+        if self._multi_process and training and torch.is_grad_enabled() and self.accelerator.sync_gradients:
+            # the walk ran on the unwrapped module (no DDP hooks): average the accumulated gradients once
+            distributed.all_reduce_gradients([p for p in model.parameters() if p.requires_grad])
         if dense_grads is not None:
             self._compare_with_dense(dense_grads)
             self._tree_check = False
@@ -184,6 +206,8 @@ class TreePPOTrainer(GRPOTrainer):
         with self._serve_detached(logps, entropies):
             loss = GRPOTrainer._compute_loss(self, model, inputs)  # TRL's metrics and state, on the walk's values
         loss = loss.detach()
+        if rows_norm is not None:  # TRL's value counts the zero-weight padding rows; ours is the objective
+            loss = torch.tensor(row_total, device=loss.device, dtype=loss.dtype)
         if abs(float(loss) - row_total) > 1e-4 * float(sum(row_magnitude)) + 1e-7:  # fp32 rounding of a sum of terms
             raise RuntimeError(
                 f"TRL's loss on the walk's log-probs ({float(loss):.8g}) differs from the sum of the per-row losses "

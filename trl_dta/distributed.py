@@ -1,0 +1,125 @@
+"""Re-partition a step's rollouts across data-parallel ranks along the DFS order.
+
+TRL generates rollouts per rank. Before training, :func:`repartition` gathers every rank's rollouts (all
+per-row and per-token fields the loss needs), splits the global batch with :func:`~trl_dta.dfs_partition`
+(contiguous DFS runs of balanced unique-token cost, so groups that share prefixes stay on one rank) and
+keeps this rank's run.
+
+Runs have unequal row counts, but TRL gathers (B,)-shaped metrics across ranks and splits a rank's batch
+into equal micro-batches, so every rank pads its run to the same row count (a multiple of
+``steps_per_generation``) with *zero-weight rows*: copies of a real row with an all-zero completion mask and
+a zero advantage. Such a row adds nothing to any loss term, to ``num_items_in_batch`` or to a masked
+metric; the tree walk skips it. Normalisers that count rows are given the configured per-device batch
+size instead of the padded count (see ``RowLoss``), so the global objective is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .partition import dfs_partition
+
+# per-token fields (right-padded to the completion width) and their padding values
+PER_TOKEN = {
+    "completion_ids": 0,
+    "completion_mask": 0,
+    "tool_mask": 1,
+    "old_per_token_logps": 0.0,
+    "ref_per_token_logps": 0.0,
+    "sampling_per_token_logps": 0.0,
+    "importance_sampling_ratio": 1.0,
+}
+PER_ROW = ("advantages",)
+SAME_ON_ALL_RANKS = ("num_items_in_batch",)
+SUPPORTED = {"prompt_ids", "prompt_mask", *PER_TOKEN, *PER_ROW, *SAME_ON_ALL_RANKS}
+
+
+def _pad(t: torch.Tensor, width: int, value, left: bool = False) -> torch.Tensor:
+    if t.dim() < 2 or t.shape[1] == width or t.shape[1] == 1:  # (B,) or per-sequence (B, 1) fields
+        return t
+    pad = t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), value)
+    return torch.cat([pad, t] if left else [t, pad], dim=1)
+
+
+def _concat(batches: list[dict]) -> dict:
+    """One batch from every rank's, padded to common prompt (left) and completion (right) widths."""
+    prompt_width = max(b["prompt_ids"].shape[1] for b in batches)
+    completion_width = max(b["completion_ids"].shape[1] for b in batches)
+    out = {}
+    for key in batches[0]:
+        values = [b[key] for b in batches]
+        if key in SAME_ON_ALL_RANKS:
+            out[key] = values[0]
+        elif key in ("prompt_ids", "prompt_mask"):
+            out[key] = torch.cat([_pad(v, prompt_width, 0, left=True) for v in values])
+        elif key in PER_TOKEN:
+            out[key] = torch.cat([_pad(v, completion_width, PER_TOKEN[key]) for v in values])
+        else:
+            out[key] = torch.cat(values)
+    return out
+
+
+def partition_sequences(batch: dict) -> list[list[int]]:
+    """Each row's tokens for partitioning: the prompt without padding, then the completion up to its last
+    unmasked token (at least one token, so that every row is a valid sequence)."""
+    seqs = []
+    for p_ids, p_mask, c_ids, c_mask in zip(
+        batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"]
+    ):
+        real = c_mask.nonzero()
+        length = int(real[-1]) + 1 if real.numel() else 1
+        seqs.append(p_ids[p_mask.bool()].tolist() + c_ids[:length].tolist())
+    return seqs
+
+
+def _rows(batch: dict, index: list[int], count: int) -> dict:
+    """Rows ``index`` of ``batch``, then zero-weight copies of row ``index[0]`` (or row 0) up to ``count``."""
+    filler = index[0] if index else 0
+    take = torch.tensor(index + [filler] * (count - len(index)), dtype=torch.long)
+    out = {}
+    for key, value in batch.items():
+        out[key] = value if key in SAME_ON_ALL_RANKS else value.index_select(0, take.to(value.device))
+    real = len(index)
+    out["completion_mask"] = out["completion_mask"].clone()
+    out["completion_mask"][real:] = 0
+    out["advantages"] = out["advantages"].clone()
+    out["advantages"][real:] = 0
+    return out
+
+
+def repartition(batch: dict, multiple: int = 1) -> tuple[dict, dict]:
+    """This rank's DFS run of the global batch, padded with zero-weight rows to the same row count on every
+    rank (a multiple of ``multiple``). Returns the batch and a few numbers for logging."""
+    unknown = set(batch) - SUPPORTED
+    if unknown:
+        raise ValueError(f"cannot re-partition rollouts with fields {sorted(unknown)} (multimodal inputs?).")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = batch["prompt_ids"].device
+    local = {k: v.detach().cpu() for k, v in batch.items()}
+    gathered: list[dict | None] = [None] * world
+    dist.all_gather_object(gathered, local)
+    merged = _concat(gathered)
+    parts = dfs_partition(partition_sequences(merged), world)
+    count = max(len(p) for p in parts)
+    count = -(-count // multiple) * multiple
+    mine = {k: v.to(device) for k, v in _rows(merged, parts[rank], count).items()}
+    info = {"rows": float(len(parts[rank])), "padded_rows": float(count - len(parts[rank]))}
+    return mine, info
+
+
+def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Average ``.grad`` over ranks (what DDP does), once per optimizer step: one flat all-reduce per
+    dtype/device. A parameter without a gradient on this rank contributes zeros."""
+    world = dist.get_world_size()
+    groups: dict[tuple, list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for group in groups.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat.div_(world)
+        for p, chunk in zip(group, flat.split([p.numel() for p in group])):
+            p.grad.copy_(chunk.view_as(p.grad))
