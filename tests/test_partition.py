@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import itertools
 
 import pytest
 from hypothesis import given, settings
@@ -15,19 +15,16 @@ sequences = st.lists(st.lists(st.integers(0, 3), min_size=2, max_size=9), min_si
 
 
 def brute_force_optimum(trie, num_parts):
-    """Smallest achievable max part cost over all splits of the lexicographic order into <= num_parts runs."""
+    """Over every split of the lexicographic order into exactly min(num_parts, n) runs: the smallest max
+    part cost, and the fewest duplicated tokens (sum of part costs - global unique) among those."""
     order = trie.lexicographic_order()
     n = len(order)
-
-    @functools.lru_cache(maxsize=None)
-    def best(start, parts):
-        if start == n:
-            return 0
-        if parts == 0:
-            return float("inf")
-        return min(max(part_cost(trie, order[start:end]), best(end, parts - 1)) for end in range(start + 1, n + 1))
-
-    return best(0, num_parts)
+    scores = []
+    for cuts in itertools.combinations(range(1, n), min(num_parts, n) - 1):
+        bounds = zip((0, *cuts), (*cuts, n))
+        costs = [part_cost(trie, order[a:b]) for a, b in bounds]
+        scores.append((max(costs), sum(costs) - trie.num_unique_tokens))
+    return min(scores)
 
 
 @settings(max_examples=200, deadline=None)
@@ -40,8 +37,8 @@ def test_partition_is_contiguous_complete_and_optimal(seqs, num_parts):
     flat = [i for part in parts for i in part]
     assert flat == order  # contiguous runs of the DFS order, in order, each index exactly once
     assert sum(1 for p in parts if p) == min(num_parts, len(seqs))  # no empty part unless too few sequences
-    worst = max(part_cost(trie, p) for p in parts if p)
-    assert worst == brute_force_optimum(trie, num_parts)
+    costs = [part_cost(trie, p) for p in parts if p]
+    assert (max(costs), sum(costs) - trie.num_unique_tokens) == brute_force_optimum(trie, num_parts)
 
 
 def test_groups_stay_together_when_balanced():

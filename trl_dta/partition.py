@@ -7,8 +7,11 @@ sequence's length plus, for each following sequence, its length minus its longes
 predecessor. That cost only grows when a run is extended on either side, so for a threshold ``T`` the
 greedy scan (extend the current run while its cost stays <= T, else start a new one) uses the fewest runs
 possible; binary search on ``T`` then gives the smallest maximum cost over all contiguous splits of the
-order into ``num_parts`` runs. Each cut duplicates at most one sequence's shared prefix, i.e. at most
-``(num_parts - 1) x`` the longest sequence in all.
+order into ``num_parts`` runs. Each cut duplicates the prefix that the two sequences on either side of it
+share (their LCP), at most ``(num_parts - 1) x`` the longest sequence in all. Among the splits that reach
+the smallest maximum cost, a dynamic program over the cut positions (range-minimum queries, ``O(num_parts x
+n log n)`` vectorised) picks the one that duplicates the fewest tokens, i.e. that cuts at the shallowest
+branch points (between groups rather than inside one).
 """
 
 from __future__ import annotations
@@ -60,17 +63,69 @@ def dfs_partition(sequences: Sequence[Any] | PrefixTrie, num_parts: int) -> list
             hi = mid
         else:
             lo = mid + 1
-    starts = _runs(lengths, cum, lo, n)
+    parts_wanted = min(num_parts, n)
+    starts = _fewest_duplicates(lengths, cum, increments, lo, parts_wanted)
     bounds = list(zip(starts, starts[1:] + [n]))
-    while len(bounds) < min(num_parts, n):  # split the costliest run that can be split
-        cost = lambda r: lengths[r[0]] + cum[r[1]] - cum[r[0] + 1]  # noqa: E731
-        k = max((k for k, r in enumerate(bounds) if r[1] - r[0] > 1), key=lambda k: cost(bounds[k]))
-        a, b = bounds[k]
-        # cut where the two halves' larger cost is smallest
-        cut = min(range(a + 1, b), key=lambda c: max(cost((a, c)), cost((c, b))))
-        bounds[k : k + 1] = [(a, cut), (cut, b)]
     parts = [order[a:b] for a, b in bounds]
     return parts + [[] for _ in range(num_parts - len(parts))]
+
+
+def _fewest_duplicates(lengths, cum, increments, threshold: int, parts: int) -> list[int]:
+    """Run starts of a split into exactly ``parts`` runs, each costing <= ``threshold``, that minimises the
+    duplicated tokens (the sum of the LCPs at the cuts). ``f[k][b]``: least duplication splitting the first
+    ``b`` sequences into ``k`` runs; the last run ``[a, b)`` is feasible for ``a`` in a window ``[lo_b, b)``
+    (a run's cost shrinks as its start moves right), so each layer is one batch of range-minimum queries."""
+    n = len(lengths)
+    lcp = (lengths - increments).astype(np.float64)  # lcp[a]: tokens duplicated by a cut before sequence a
+    # cost(a, b) = lengths[a] - cum[a + 1] + cum[b] <= threshold  <=>  h[a] <= threshold - cum[b]; h is non-increasing
+    h = lengths - cum[1:]
+    b = np.arange(1, n + 1)
+    lo = np.searchsorted(-h, -(threshold - cum[b]), side="left")  # first a with h[a] <= threshold - cum[b]
+    f = np.where(lo == 0, 0.0, np.inf)  # one run: [0, b) feasible iff lo_b == 0
+    f = np.concatenate([[np.inf], f])  # f[b] for b = 0..n (no runs can cover 0 sequences in k >= 1 runs)
+    choices = []
+    for k in range(2, parts + 1):
+        g = f + np.concatenate([lcp, [np.inf]])  # cut before sequence a, a = 0..n
+        low = np.maximum(lo, k - 1)
+        best, arg = _range_min(g, low, b - 1)
+        f = np.concatenate([[np.inf], best])
+        choices.append(arg)
+    if not np.isfinite(f[n]):
+        raise AssertionError("no split at the optimal threshold: please report this input")
+    starts, end = [], n
+    for arg in reversed(choices):
+        end = int(arg[end - 1])
+        starts.append(end)
+    return [0] + starts[::-1]
+
+
+def _range_min(values: np.ndarray, left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """min and argmin of ``values[left[i] : right[i] + 1]`` for every i (inf where the range is empty),
+    with a sparse table."""
+    size = len(values)
+    levels = [values]
+    index = [np.arange(size)]
+    width = 1
+    while 2 * width <= size:
+        v, ix = levels[-1], index[-1]
+        a, c = v[: size - 2 * width + 1], v[width : size - width + 1]
+        pick = c < a
+        levels.append(np.where(pick, c, a))
+        index.append(np.where(pick, ix[width : size - width + 1], ix[: size - 2 * width + 1]))
+        width *= 2
+    empty = right < left
+    length = np.where(empty, 1, right - left + 1)
+    level = np.floor(np.log2(length)).astype(np.int64)
+    out_v = np.full(len(left), np.inf)
+    out_i = np.zeros(len(left), dtype=np.int64)
+    for j in np.unique(level):
+        sel = (level == j) & ~empty
+        l, r = left[sel], right[sel] - (1 << int(j)) + 1
+        v1, v2 = levels[j][l], levels[j][r]
+        pick = v2 < v1
+        out_v[sel] = np.where(pick, v2, v1)
+        out_i[sel] = np.where(pick, index[j][r], index[j][l])
+    return out_v, out_i
 
 
 def part_cost(trie: PrefixTrie, part: Sequence[int]) -> int:
