@@ -140,63 +140,65 @@ class TreePPOTrainer(GRPOTrainer):
         return logps, entropies, None
 
     # ------------------------------------------------------------------ the training loss
+    def _row_loss(self, model, inputs, training: bool) -> RowLoss:
+        """TRL's loss for this micro-batch, per row: the micro-batch constants are settled here."""
+        mask = inputs["completion_mask"]
+        mask = mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+        entropy_mask = None
+        if self.top_entropy_quantile < 1.0:  # couples rows: the whole micro-batch's entropies come first
+            with torch.no_grad():
+                _, entropies, _ = self._get_per_token_logps_and_entropies(
+                    model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
+                    torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
+                    inputs["completion_ids"].shape[1], compute_entropy=True,
+                )  # fmt: skip
+            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+        entropy_coef = 0.0
+        if self._entropy_bonus_enabled:  # TRL applies the coefficient set at the end of the previous step
+            entropy_coef = self.entropy_coef
+            if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
+                entropy_coef = 0.0
+        accumulation = self.current_gradient_accumulation_steps if training else 1
+        rows = self.args.per_device_train_batch_size if (self._repartition and training) else None
+        return RowLoss(self._loss_settings, inputs, accumulation, entropy_mask, entropy_coef, training, rows)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("The TreePPOTrainer does not support returning outputs")
         mode = "train" if self.model.training else "eval"
+        training = mode == "train" and torch.is_grad_enabled()
         rows = self._rows(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
                           inputs["completion_mask"])  # fmt: skip
         trie, kept = self._trie(rows)
-        mask = inputs["completion_mask"]
-        mask = mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
-        shape = inputs["completion_ids"].shape
+        row_loss = self._row_loss(model, inputs, mode == "train")
 
-        entropy_mask = None
-        if self.top_entropy_quantile < 1.0:  # couples rows: the whole micro-batch's entropies come first
-            with torch.no_grad():
-                _, all_entropies, _ = self._get_per_token_logps_and_entropies(
-                    model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-                    torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1), shape[1], compute_entropy=True,
-                )  # fmt: skip
-            entropy_mask = self.get_high_entropy_mask(all_entropies, mask, 1 - self.top_entropy_quantile)
-        entropy_coef = 0.0
-        if self._entropy_bonus_enabled:
-            entropy_coef = self.entropy_coef
-            if self.use_adaptive_entropy and self._last_world_entropy > self.args.entropy_target:
-                entropy_coef = 0.0
-        training = mode == "train"
-        accumulation = self.current_gradient_accumulation_steps if training else 1
-        rows_norm = self.args.per_device_train_batch_size if (self._repartition and training) else None
-        row_loss = RowLoss(self._loss_settings, inputs, accumulation, entropy_mask, entropy_coef, training, rows_norm)
-
-        logps = torch.zeros(shape, device=mask.device)
-        entropies = torch.zeros(shape, device=mask.device)
-        row_of = dict(enumerate(kept))
-        row_magnitude = []
+        # the walk's values, padded like TRL's (B, T) tensors, for TRL's metrics
+        logps = torch.zeros(inputs["completion_ids"].shape, device=inputs["completion_ids"].device)
+        entropies = torch.zeros_like(logps)
+        magnitudes = []
 
         def loss_fn(index, lp, ent):
-            i = row_of[index]
-            start = rows[i][1] - 1
+            i = kept[index]
+            start = rows[i][1] - 1  # the completion's log-probs: positions after the prompt
             n = lp.numel() - start
             logps[i, :n], entropies[i, :n] = lp[start:].detach(), ent[start:].detach()
             loss = row_loss(i, lp[start:], ent[start:])
-            row_magnitude.append(loss.detach().abs())
+            magnitudes.append(loss.detach().abs())
             return loss
 
-        check = self._tree_check and training and torch.is_grad_enabled()
-        dense_grads = self._dense_gradients(model, inputs) if check else None
+        dense_grads = self._dense_gradients(model, inputs) if (self._tree_check and training) else None
         started = time.perf_counter()
         row_total = 0.0
         if trie is not None:
             executor = self._executor(model)
             with self.accelerator.autocast():
-                if training and torch.is_grad_enabled():
+                if training:
                     row_total = executor.backward(trie, loss_fn, self.temperature, entropies=True)
                 else:
                     lps, ents = executor.logprobs(trie, self.temperature, entropies=True)
                     row_total = sum(float(loss_fn(k, lp, ent)) for k, (lp, ent) in enumerate(zip(lps, ents)))
         elapsed = time.perf_counter() - started
-        if self._multi_process and training and torch.is_grad_enabled() and self.accelerator.sync_gradients:
+        if training and self._multi_process and self.accelerator.sync_gradients:
             # the walk ran on the unwrapped module (no DDP hooks): average the accumulated gradients once
             distributed.all_reduce_gradients([p for p in model.parameters() if p.requires_grad])
         if dense_grads is not None:
@@ -204,11 +206,11 @@ class TreePPOTrainer(GRPOTrainer):
             self._tree_check = False
 
         with self._serve_detached(logps, entropies):
-            loss = GRPOTrainer._compute_loss(self, model, inputs)  # TRL's metrics and state, on the walk's values
-        loss = loss.detach()
-        if rows_norm is not None:  # TRL's value counts the zero-weight padding rows; ours is the objective
+            loss = GRPOTrainer._compute_loss(self, model, inputs).detach()  # TRL's metrics and state
+        if row_loss.rows != inputs["completion_mask"].shape[0]:  # TRL's value counts zero-weight padding rows
             loss = torch.tensor(row_total, device=loss.device, dtype=loss.dtype)
-        if abs(float(loss) - row_total) > 1e-4 * float(sum(row_magnitude)) + 1e-7:  # fp32 rounding of a sum of terms
+        magnitude = float(torch.stack(magnitudes).sum()) if magnitudes else 0.0
+        if abs(float(loss) - row_total) > 1e-4 * magnitude + 1e-7:  # fp32 rounding of a sum of terms
             raise RuntimeError(
                 f"TRL's loss on the walk's log-probs ({float(loss):.8g}) differs from the sum of the per-row losses "
                 f"({row_total:.8g}): trl_dta's RowLoss no longer mirrors this TRL version's loss."
@@ -219,7 +221,7 @@ class TreePPOTrainer(GRPOTrainer):
             metrics["tree/unique_tokens"].append(float(trie.num_unique_tokens))
             metrics["tree/dedup_ratio"].append(trie.dedup_ratio)
             metrics["tree/time"].append(elapsed)
-        if training and torch.is_grad_enabled():  # gradients are already in .grad: Trainer's backward adds none
+        if training:  # the gradients are already in .grad: the Trainer's backward on a fresh leaf adds none
             return torch.zeros((), device=loss.device, requires_grad=True) + loss
         return loss
 
