@@ -61,12 +61,13 @@ def tree_grads(executor, model, trie, loss_fn, temperature, entropies):
     batch_tokens=st.sampled_from([0, 7, None]),
     temperature=st.sampled_from([1.0, 0.7]),
     use_entropy=st.booleans(),
+    pack=st.booleans(),
 )
-def test_backward_matches_dense(family, attn, seqs, block_size, batch_tokens, temperature, use_entropy):
+def test_backward_matches_dense(family, attn, seqs, block_size, batch_tokens, temperature, use_entropy, pack):
     model = cached_model(family, attn)
     loss_fn = loss_fn_for(seqs, use_entropy)
     ref, ref_total = dense_grads(model, seqs, loss_fn, temperature)
-    executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens)
+    executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens, pack_leaves=pack)
     got, total = tree_grads(executor, model, PrefixTrie.from_sequences(seqs), loss_fn, temperature, use_entropy)
     assert max_rel_diff(got, ref) < TIGHT
     assert total == pytest.approx(ref_total, rel=1e-10, abs=1e-10)
@@ -79,10 +80,11 @@ def test_backward_matches_dense(family, attn, seqs, block_size, batch_tokens, te
     block_size=st.sampled_from([2, 5, 1000]),
     batch_tokens=st.sampled_from([0, None]),
     temperature=st.sampled_from([1.0, 1.3]),
+    pack=st.booleans(),
 )
-def test_logprobs_match_dense(family, attn, seqs, block_size, batch_tokens, temperature):
+def test_logprobs_match_dense(family, attn, seqs, block_size, batch_tokens, temperature, pack):
     model = cached_model(family, attn)
-    executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens)
+    executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens, pack_leaves=pack)
     logps, ents = executor.logprobs(PrefixTrie.from_sequences(seqs), temperature=temperature, entropies=True)
     plain = executor.logprobs(PrefixTrie.from_sequences(seqs), temperature=temperature)
     with torch.no_grad():
@@ -94,8 +96,8 @@ def test_logprobs_match_dense(family, attn, seqs, block_size, batch_tokens, temp
             torch.testing.assert_close(plain[i], lp, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("block_size,batch_tokens", [(1000, None), (3, 0), (4, 9)])
-def test_lora_backward_matches_dense(block_size, batch_tokens):
+@pytest.mark.parametrize("block_size,batch_tokens,pack", [(1000, None, True), (1000, None, False), (3, 0, True), (4, 9, True)])
+def test_lora_backward_matches_dense(block_size, batch_tokens, pack):
     peft = pytest.importorskip("peft")
     model = make_model("qwen3", "sdpa", seed=1)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
@@ -104,7 +106,7 @@ def test_lora_backward_matches_dense(block_size, batch_tokens):
     loss_fn = loss_fn_for(seqs, use_entropy=True)
     ref, _ = dense_grads(model, seqs, loss_fn)
     assert ref and all("lora_" in name for name in ref)  # only adapters train, and they get gradients
-    executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens)
+    executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens, pack_leaves=pack)
     got, _ = tree_grads(executor, model, PrefixTrie.from_sequences(seqs), loss_fn, 1.0, True)
     assert max_rel_diff(got, ref) < TIGHT
 

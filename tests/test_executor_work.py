@@ -3,6 +3,7 @@ held by autograd (flat in the number of leaves, unlike dense)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import make_model
@@ -74,14 +75,16 @@ def test_forward_and_logits_sizes_bounded_by_block_and_batch_budget():
     assert trie.num_unique_tokens < counter.tokens < 2 * trie.num_unique_tokens + budget * len(counter.calls)
 
 
-def test_sibling_leaves_share_one_forward():
+@pytest.mark.parametrize("pack", [True, False])
+def test_sibling_leaves_share_one_forward(pack):
     model = make_model("qwen3", "sdpa", dtype=torch.float32)
-    seqs = [[1, 2, 3, 4] + [10 + k, 11, 12] for k in range(8)]
-    executor = TreeExecutor(model, batch_tokens=64)
+    seqs = [[1, 2, 3, 4] + [10 + k, 11, 12 + k, 13][: 2 + k % 3] for k in range(8)]
+    executor = TreeExecutor(model, batch_tokens=64, pack_leaves=pack)
     counter = TokenCounter(model)
     executor.backward(PrefixTrie.from_sequences(seqs), loss_fn)
     counter.remove()
-    assert counter.calls == [4, 8 * 3]
+    leaf_tokens = sum(len(s) - 4 for s in seqs)
+    assert counter.calls == [4, leaf_tokens if pack else 8 * 4]  # packed: no padding
 
 
 def leaf_sequences(num_leaves, prefix=256, leaf=256):

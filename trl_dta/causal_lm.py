@@ -84,6 +84,8 @@ class CausalLM:
         self.num_layers = self.config.num_hidden_layers
         self.cache_keyword = self._cache_keyword()
         self.sliding_window = self._sliding_window()
+        # eager and sdpa take a custom 4-D additive mask (used to pack sibling leaves into one row)
+        self.can_pack = getattr(self.config, "_attn_implementation", "eager") in ("eager", "sdpa")
         self._check_static()
         if probe:
             self.probe()
@@ -182,13 +184,20 @@ class CausalLM:
         input_ids: torch.Tensor,
         start: int,
         past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Decode ``input_ids`` ([B, L], positions ``start..start+L-1``) on top of ``past`` (per layer K, V of
-        shape [B, kv_heads, start, head_dim]). Returns hidden states [B, L, D] and the new K/V per layer."""
+        """Decode ``input_ids`` ([B, L], positions ``start..start+L-1`` unless ``positions`` are given) on top of
+        ``past`` (per layer K, V of shape [B, kv_heads, start, head_dim]), causally, or with a 4-D additive
+        ``attention_mask`` [B, 1, L, start + L]. Returns hidden states [B, L, D] and the new K/V per layer."""
         batch, length = input_ids.shape
         cache = _RecordingCache(past)
-        positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
-        out = self.decoder(input_ids=input_ids, position_ids=positions, use_cache=True, **{self.cache_keyword: cache})
+        if positions is None:
+            positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
+        extra = {} if attention_mask is None else {"attention_mask": attention_mask}
+        out = self.decoder(
+            input_ids=input_ids, position_ids=positions, use_cache=True, **{self.cache_keyword: cache}, **extra
+        )
         if not cache.new:
             raise ValueError(
                 f"{type(self.base).__name__} ignores the passed KV cache (keyword {self.cache_keyword!r}); "

@@ -7,8 +7,8 @@ its children's first tokens) and its tokens' log-probs. Descendants read these a
 
 * ``Push``: forward the segment on the stack's K/V; keep the autograd graph, or (chunked backward) forward
   without one and recompute it at pop.
-* ``Leaves``: forward a batch of sibling leaves (right-padded; causal attention keeps padding invisible to
-  real tokens), compute each finished sequence's loss from the log-probs along its path and backpropagate
+* ``Leaves``: forward a batch of sibling leaves (packed into one row with a block-diagonal causal mask, or
+  right-padded where the attention backend takes no custom mask), compute each finished sequence's loss from the log-probs along its path and backpropagate
   at once: into the parameters, and into the leaves of every segment on the stack.
 * ``Pop``: backpropagate the segment's outputs with the gradients collected in its leaves, which continues
   into the parameters and into the leaves of the segments below it; then free it.
@@ -64,6 +64,9 @@ class TreeExecutor:
         batch_tokens: budget (rows x longest row, padding included) for forwarding sibling leaves together in
             one call on their shared prefix. ``None`` means ``block_size``; 0 forwards one leaf per call.
         lm_head_fp32: compute the LM head projection in float32 (TRL's ``cast_lm_head_to_fp32``).
+        pack_leaves: forward a batch of sibling leaves as one packed row with a block-diagonal causal mask
+            (no padding, the shared past not replicated per leaf) where the attention backend takes a custom
+            mask (eager, sdpa); otherwise, or with False, as a right-padded batch.
 
     Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
     HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
@@ -75,12 +78,14 @@ class TreeExecutor:
         block_size: int = 2048,
         batch_tokens: int | None = None,
         lm_head_fp32: bool = False,
+        pack_leaves: bool = True,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32)
         self.block_size = block_size
         self.batch_tokens = block_size if batch_tokens is None else batch_tokens
+        self.pack_leaves = pack_leaves and self.lm.can_pack
         self.device = self.lm.decoder.get_input_embeddings().weight.device
         self.forward_calls = 0  # counters, for tests and metrics
         self.forward_tokens = 0
@@ -174,22 +179,22 @@ class TreeExecutor:
         self.forward_tokens += ids.numel()
         return self.lm.forward(ids, start, self._past(stack, ids.shape[0]))
 
-    def _score(self, hidden, ids, lengths, start, parent_hidden, temperature, entropies):
-        """Log-probs (and entropies) of each row's real tokens: the logits of position ``t`` score token
-        ``t + 1``, and the parent's last hidden state scores the segment's first token (none at the root)."""
-        rows = hidden.shape[0]
+    def _score(self, hiddens, ids, start, parent_hidden, temperature, entropies):
+        """Log-probs (and entropies) of each row's tokens (``hiddens[r]``: [L_r, D], ``ids[r]``: [L_r]): the
+        logits of position ``t`` score token ``t + 1``, and the parent's last hidden state scores the
+        segment's first token (none at the root). One LM-head call for all rows."""
         if start == 0:
-            inputs, targets, counts = hidden[:, :-1], ids[:, 1:], [n - 1 for n in lengths]
+            inputs = [h[:-1] for h in hiddens]
+            targets = [t[1:] for t in ids]
         else:
-            inputs = torch.cat([parent_hidden.expand(rows, 1, -1), hidden[:, :-1]], dim=1)
-            targets, counts = ids, list(lengths)
-        width = targets.shape[1]
-        mask = torch.arange(width, device=ids.device)[None, :] < torch.tensor(counts, device=ids.device)[:, None]
+            inputs = [torch.cat([parent_hidden.reshape(1, -1), h[:-1]]) for h in hiddens]
+            targets = list(ids)
+        counts = [t.numel() for t in targets]
         if sum(counts) == 0:
-            empty = hidden.new_zeros(0, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
-            return [empty] * rows, ([empty] * rows if entropies else None)
-        logp_all = torch.log_softmax(self.lm.logits(inputs[mask], temperature), dim=-1)
-        lp = logp_all.gather(-1, targets[mask][:, None]).squeeze(-1)
+            empty = hiddens[0].new_zeros(0, dtype=torch.float64 if hiddens[0].dtype == torch.float64 else torch.float32)
+            return [empty] * len(ids), ([empty] * len(ids) if entropies else None)
+        logp_all = torch.log_softmax(self.lm.logits(torch.cat(inputs), temperature), dim=-1)
+        lp = logp_all.gather(-1, torch.cat(targets)[:, None]).squeeze(-1)
         ent = -(logp_all.exp() * logp_all).sum(-1) if entropies else None
         return list(lp.split(counts)), (list(ent.split(counts)) if entropies else None)
 
@@ -201,7 +206,7 @@ class TreeExecutor:
         ids = self._segment_ids(trie, segment)[None]
         hidden, kv = self._forward(ids, segment.start, stack)
         parent_hidden = stack[-1].last_hidden_leaf if stack else None
-        lps, ents = self._score(hidden, ids, [segment.num_tokens], segment.start, parent_hidden, temperature, entropies)
+        lps, ents = self._score([hidden[0]], [ids[0]], segment.start, parent_hidden, temperature, entropies)
         return kv, hidden[:, -1:], lps[0], (ents[0] if entropies else None)
 
     def _push(self, trie, segment, stack, temperature, entropies, with_graph) -> _Frame:
@@ -217,21 +222,50 @@ class TreeExecutor:
 
     def _leaves(self, trie, step: Leaves, stack, temperature, entropies, on_sequence, grad) -> None:
         segments = step.segments
-        lengths = [s.num_tokens for s in segments]
-        ids = torch.zeros(len(segments), max(lengths), dtype=torch.long, device=self.device)
-        for row, segment in enumerate(segments):
-            ids[row, : lengths[row]] = self._segment_ids(trie, segment)
+        ids = [self._segment_ids(trie, s) for s in segments]
         start = segments[0].start
         parent_hidden = stack[-1].last_hidden_leaf if stack else None
         with torch.set_grad_enabled(grad):
-            hidden, _ = self._forward(ids, start, stack)
-            lps, ents = self._score(hidden, ids, lengths, start, parent_hidden, temperature, entropies)
+            if len(segments) > 1 and self.pack_leaves:
+                hiddens = self._forward_packed(ids, start, stack)
+            else:
+                hiddens = self._forward_padded(ids, start, stack)
+            lps, ents = self._score(hiddens, ids, start, parent_hidden, temperature, entropies)
             losses = []
             for row, segment in enumerate(segments):
                 path_lp, path_ent = self._path_scores(stack, lps[row], ents[row] if entropies else None)
                 losses += [on_sequence(i, path_lp, path_ent) for i in segment.terminals]
         if grad:
             self._backprop_losses(losses)
+
+    def _forward_padded(self, ids, start, stack):
+        """Sibling leaves as a right-padded batch (causal attention keeps padding invisible to real tokens)."""
+        lengths = [t.numel() for t in ids]
+        batch = torch.zeros(len(ids), max(lengths), dtype=torch.long, device=self.device)
+        for row, t in enumerate(ids):
+            batch[row, : lengths[row]] = t
+        hidden, _ = self._forward(batch, start, stack)
+        return [hidden[row, :n] for row, n in enumerate(lengths)]
+
+    def _forward_packed(self, ids, start, stack):
+        """Sibling leaves packed into one row: each token attends the shared past and the earlier tokens of
+        its own leaf (a block-diagonal causal mask), and positions restart at ``start`` for every leaf. No
+        padding, and the past K/V is not replicated per leaf."""
+        lengths = [t.numel() for t in ids]
+        total = sum(lengths)
+        leaf = torch.repeat_interleave(torch.arange(len(ids), device=self.device), torch.tensor(lengths, device=self.device))
+        offsets = torch.cat([torch.arange(n, device=self.device) for n in lengths])
+        same_leaf_causal = (leaf[:, None] == leaf[None, :]) & (offsets[:, None] >= offsets[None, :])
+        visible = torch.cat([same_leaf_causal.new_ones(total, start), same_leaf_causal], dim=1)
+        dtype = self.lm.lm_head.weight.dtype
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(~visible, torch.finfo(dtype).min)
+        self.forward_calls += 1
+        self.forward_tokens += total
+        hidden, _ = self.lm.forward(
+            torch.cat(ids)[None], start, self._past(stack, 1), positions=(start + offsets)[None],
+            attention_mask=mask[None, None],
+        )  # fmt: skip
+        return list(hidden[0].split(lengths))
 
     def _pop(self, trie, frame: _Frame, kept_graph: bool, stack, temperature, entropies) -> None:
         pairs = [(out, leaf) for (k, v), (kl, vl) in zip(frame.kv, frame.kv_leaf) for out, leaf in ((k, kl), (v, vl))]
