@@ -13,6 +13,9 @@ from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
 VOCAB = 61
+# Tiny models: one thread is faster, and it keeps the tests' many small ops from stalling when another
+# process shares the cores (with 2 threads each op waits for the second thread to be scheduled).
+torch.set_num_threads(1)
 
 
 def make_model(family: str = "qwen3", attn: str = "sdpa", dtype=torch.float64, seed: int = 0, **overrides):

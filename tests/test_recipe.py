@@ -222,7 +222,7 @@ def _run_recipe(model_dir, out, *extra, timeout=900):
            "--output_dir", str(out), "--domain", "mock", "--max_steps", "1", "--num_generations", "8",
            "--per_device_train_batch_size", "8", "--max_completion_length", "96", "--report_to", "none",
            "--save_strategy", "no", "--disable_tqdm", "true", *extra]  # fmt: skip
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     state = json.loads((Path(out) / "trainer_state.json").read_text())
