@@ -44,7 +44,7 @@ _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "trl_dta").is_dir() and str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from trl_dta import TreePPOConfig  # noqa: E402  (cheap: the trainer module loads on first use)
+from trl_dta import TreePPOConfig  # cheap: the trainer module loads on first use
 
 logger = logging.getLogger("ppo_tau2")
 
@@ -261,13 +261,14 @@ def build_reward_funcs(names: list[str] | None, training_args) -> list:
 # Outputs
 # ---------------------------------------------------------------------------------------------------------------
 def plot_rewards(log_history: list[dict], path: str | os.PathLike) -> str | None:
-    """Reward (mean, with a +-std band) and grad_norm per optimizer step, from `trainer.state.log_history`.
-    Returns the path written, or None if matplotlib is missing or nothing was logged."""
+    """Reward (group mean with +-std error bars, and each reward source) and grad_norm per optimizer step, from
+    `trainer.state.log_history`. Returns the path written, or None if matplotlib is missing or nothing was logged."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         logger.warning("matplotlib is not installed: no reward plot (pip install matplotlib).")
         return None
@@ -279,11 +280,12 @@ def plot_rewards(log_history: list[dict], path: str | os.PathLike) -> str | None
     std = [r.get("reward_std", 0.0) for r in rows]
     grads = [(r["step"], r["grad_norm"]) for r in rows if r.get("grad_norm") is not None]
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
-    ax1.plot(steps, reward, marker="o", label="reward (group mean)")
-    ax1.fill_between(steps, [m - s for m, s in zip(reward, std)], [m + s for m, s in zip(reward, std)], alpha=0.2,
-                     label="± reward std")  # fmt: skip
+    ax1.errorbar(steps, reward, yerr=std, marker="o", capsize=3, label="reward (group mean ± std)")
     for key in sorted({k for r in rows for k in r if k.startswith("rewards/") and k.endswith("/mean")}):
-        ax1.plot(steps, [r.get(key, float("nan")) for r in rows], linestyle="--", label=key)
+        ax1.plot(steps, [r.get(key, float("nan")) for r in rows], linestyle="--", marker="x", label=key)
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if len(set(steps)) == 1:
+        ax2.set_xticks(steps)
     ax1.set_ylabel("reward")
     ax1.legend(fontsize=8)
     ax1.grid(alpha=0.3)
@@ -326,12 +328,12 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
 
     # Model: a path or Hub id, loaded by TRL with the usual ModelConfig keywords (as in TRL's own scripts)
     model_id, how = resolve_model(model_args.model_name_or_path, script_args)
-    model_init_kwargs = dict(
-        revision=model_args.model_revision,
-        trust_remote_code=training_args.trust_remote_code,
-        attn_implementation=model_args.attn_implementation,
-        dtype=model_args.dtype,
-    )
+    model_init_kwargs = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+        "attn_implementation": model_args.attn_implementation,
+        "dtype": model_args.dtype,
+    }
     model_init_kwargs.update(training_args.model_init_kwargs or {})
     training_args.model_init_kwargs = model_init_kwargs
 
