@@ -160,22 +160,27 @@ class CausalLM:
         ids = ids.unsqueeze(0)
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()  # the probe must not see dropout
+        # The probe checks structure (is the cache read, is the logit transform reproduced), so it runs in the
+        # weights' dtype with autocast off: under bf16 autocast two exact methods already differ by ~1e-2,
+        # which would hide a wrong cache. The walk itself runs under whatever autocast the caller set.
         try:
-            dense = self.model(input_ids=ids, use_cache=False).logits.to(torch.float64)
-            h1, kv = self.forward(ids[:, :5], 0, None)
-            h2, _ = self.forward(ids[:, 5:], 5, kv)
-            tree = self.logits(torch.cat([h1, h2], dim=1), 1.0).to(torch.float64)
+            with torch.autocast(device.type, enabled=False):
+                dense = self.model(input_ids=ids, use_cache=False).logits.to(torch.float64)
+                h1, kv = self.forward(ids[:, :5], 0, None)
+                h2, _ = self.forward(ids[:, 5:], 5, kv)
+                tree = self.logits(torch.cat([h1, h2], dim=1), 1.0).to(torch.float64)
         finally:
             for m, mode in modes:
                 m.training = mode
         dtype = self.lm_head.weight.dtype
+        tolerance = _PROBE_TOLERANCE.get(dtype, 5e-2)
         err = ((tree - dense).abs().max() / dense.abs().max().clamp_min(1e-30)).item()
-        if not err <= _PROBE_TOLERANCE.get(dtype, 5e-2):
+        if not err <= tolerance:
             raise ValueError(
-                f"{type(self.base).__name__}: a forward on a cached prefix differs from the dense forward "
-                f"(relative error {err:.2e}). The model ignores the passed KV cache (keyword "
-                f"{self.cache_keyword!r}) or transforms its logits in a way the tree walk does not reproduce; "
-                "it is not supported."
+                f"{type(self.base).__name__}: logits of a forward on a cached prefix differ from the model's dense "
+                f"forward by {err:.2e} (relative; tolerance {tolerance:g} for {dtype}, autocast off). The model "
+                f"ignores the passed KV cache (keyword {self.cache_keyword!r}) or transforms its logits in a way "
+                "the tree walk does not reproduce; it is not supported."
             )
 
     # ---------------------------------------------------------------- compute
