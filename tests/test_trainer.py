@@ -130,3 +130,11 @@ def test_save_and_reload_round_trips(tmp_path, model_dir):
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
     for (name, p), (_, q) in zip(trainer.model.named_parameters(), reloaded.named_parameters()):
         torch.testing.assert_close(p.detach(), q, rtol=0, atol=0, msg=name)
+
+
+def test_multimodal_batch_is_refused(tmp_path, model_dir):
+    """Images in a training batch must not be dropped silently (TRL passes them to the dense forward)."""
+    trainer = make_trainer(TreeScripted, make_config(tmp_path, config_cls=TreePPOConfig), model=model_dir)
+    inputs = {"pixel_values": torch.zeros(1, 3, 4, 4), "prompt_ids": torch.ones(1, 3, dtype=torch.long)}
+    with pytest.raises(ValueError, match="multimodal inputs \\(pixel_values\\)"):
+        trainer.compute_loss(trainer.model, inputs)

@@ -82,6 +82,9 @@ class CausalLM:
         self.logit_scale = _logit_scale(self.config)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.num_layers = self.config.num_hidden_layers
+        # MoE: the router's expert count and top-k, as TRL's load-balancing loss reads them (None if dense)
+        self.num_experts = getattr(self.config, "num_experts", None) if self.is_moe else None
+        self.top_k = getattr(self.config, "num_experts_per_tok", None) if self.is_moe else None
         self.cache_keyword = self._cache_keyword()
         self.sliding_window = self._sliding_window()
         # eager and sdpa take a custom 4-D additive mask (used to pack sibling leaves into one row)
@@ -89,6 +92,11 @@ class CausalLM:
         self._check_static()
         if probe:
             self.probe()
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model can return router logits (TRL's test for an MoE model)."""
+        return hasattr(self.config, "output_router_logits")
 
     # ---------------------------------------------------------------- checks
     def _cache_keyword(self) -> str:
@@ -110,11 +118,6 @@ class CausalLM:
             raise ValueError(
                 f"attention implementation {impl!r} is not supported by the tree walk; use one of "
                 f"{SUPPORTED_ATTENTION} (attn_implementation=... in from_pretrained)."
-            )
-        if getattr(self.config, "output_router_logits", False):
-            raise ValueError(
-                "MoE router auxiliary losses (output_router_logits=True) are batch statistics the tree walk cannot "
-                "reproduce; set config.output_router_logits=False."
             )
 
     def check_call(self, max_length: int) -> None:
@@ -162,10 +165,12 @@ class CausalLM:
         self.model.eval()  # the probe must not see dropout
         # The probe checks structure (is the cache read, is the logit transform reproduced), so it runs in the
         # weights' dtype with autocast off: under bf16 autocast two exact methods already differ by ~1e-2,
-        # which would hide a wrong cache. The walk itself runs under whatever autocast the caller set.
+        # which would hide a wrong cache (~1e-1). The walk itself runs under whatever autocast the caller set.
         try:
             with torch.autocast(device.type, enabled=False):
-                dense = self.model(input_ids=ids, use_cache=False).logits.to(torch.float64)
+                # the class's own forward: accelerate (mixed precision) and TRL (fused LM head) patch the
+                # instance's forward, and accelerate's patch turns autocast back on inside it
+                dense = type(self.base).forward(self.base, input_ids=ids, use_cache=False).logits.to(torch.float64)
                 h1, kv = self.forward(ids[:, :5], 0, None)
                 h2, _ = self.forward(ids[:, 5:], 5, kv)
                 tree = self.logits(torch.cat([h1, h2], dim=1), 1.0).to(torch.float64)
@@ -195,11 +200,30 @@ class CausalLM:
         """Decode ``input_ids`` ([B, L], positions ``start..start+L-1`` unless ``positions`` are given) on top of
         ``past`` (per layer K, V of shape [B, kv_heads, start, head_dim]), causally, or with a 4-D additive
         ``attention_mask`` [B, 1, L, start + L]. Returns hidden states [B, L, D] and the new K/V per layer."""
+        hidden, kv, _ = self._decode(input_ids, start, past, positions, attention_mask, False)
+        return hidden, kv
+
+    def forward_routed(
+        self,
+        input_ids: torch.Tensor,
+        start: int,
+        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
+        """:meth:`forward`, plus the MoE router logits of every router layer, each [B * L, num_experts]."""
+        if not self.is_moe:
+            raise ValueError(f"{type(self.base).__name__} has no MoE router.")
+        return self._decode(input_ids, start, past, positions, attention_mask, True)
+
+    def _decode(self, input_ids, start, past, positions, attention_mask, router_logits: bool):
         batch, length = input_ids.shape
         cache = _RecordingCache(past)
         if positions is None:
             positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
         extra = {} if attention_mask is None else {"attention_mask": attention_mask}
+        if self.is_moe:  # ask explicitly: the config's own flag must not decide what the walk computes
+            extra["output_router_logits"] = router_logits
         out = self.decoder(
             input_ids=input_ids, position_ids=positions, use_cache=True, **{self.cache_keyword: cache}, **extra
         )
@@ -213,7 +237,12 @@ class CausalLM:
                 f"{type(self.base).__name__}: {len(cache.new)} of {self.num_layers} layers wrote to the KV cache; "
                 "models that share or skip K/V across layers are not supported."
             )
-        return out.last_hidden_state, [cache.new[i] for i in range(self.num_layers)]
+        routers = None
+        if router_logits:
+            routers = list(getattr(out, "router_logits", None) or ())
+            if not routers:
+                raise ValueError(f"{type(self.base).__name__} returned no router logits.")
+        return out.last_hidden_state, [cache.new[i] for i in range(self.num_layers)], routers
 
     def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
         """LM head logits of ``hidden`` in float32 (float64 for a float64 model), scaled, soft-capped, / T."""

@@ -19,6 +19,7 @@ calls is exactly ``sum_i loss_fn(i, logps_i, entropies_i).backward()`` over dens
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,13 +28,34 @@ from torch import nn
 
 from .causal_lm import CausalLM
 from .plan import Leaves, Pop, Push, Segment, build_plan
-from .trie import PrefixTrie
+from .trie import PrefixTrie, TrieNode
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# MoE: per trie node, a vector v [num_experts]; the walk adds sum over the node's tokens and router layers of
+# <v, softmax(router logits)> to what it backpropagates (see trl_dta/router_loss.py for why that is exact)
+RouterGrad = Mapping[TrieNode, torch.Tensor]
+
+
+@dataclass
+class RouterStats:
+    """Per trie node, over its tokens and the model's router layers: how often each expert was among the
+    top-k of ``softmax(router logits)`` (``counts``), and the summed router probabilities (``probs``), each
+    [num_experts] float32; ``layers`` is the number of router layers."""
+
+    counts: dict[TrieNode, torch.Tensor]
+    probs: dict[TrieNode, torch.Tensor]
+    layers: int
 
 
 def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().requires_grad_(True)
+    """A detached copy that descendants read and whose ``.grad`` collects their gradients. Half-precision
+    outputs (bf16 autocast) get a float32 leaf, so the gradients of many children sum in float32."""
+    if t is None:
+        return None
+    t = t.detach()
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.float()
+    return t.requires_grad_(True)
 
 
 @dataclass
@@ -50,6 +72,8 @@ class _Frame:
     last_hidden_leaf: torch.Tensor
     logps_leaf: torch.Tensor
     entropies_leaf: torch.Tensor | None
+    lp_from: int  # log-prob index of logps[0]: the segment scores lp indices [lp_from, segment.end - 1)
+    router_term: torch.Tensor | None = None  # MoE: the segment's <v, softmax(router logits)> sum, with graph
 
 
 class TreeExecutor:
@@ -89,30 +113,62 @@ class TreeExecutor:
         self.device = self.lm.decoder.get_input_embeddings().weight.device
         self.forward_calls = 0  # counters, for tests and metrics
         self.forward_tokens = 0
+        self._router: RouterGrad | RouterStats | None = None  # set during a walk that reads router logits
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def logprobs(
-        self, trie: PrefixTrie, temperature: float = 1.0, entropies: bool = False
+        self,
+        trie: PrefixTrie,
+        temperature: float = 1.0,
+        entropies: bool = False,
+        score_from: Sequence[int] | None = None,
     ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-sequence log-probs ``lp[t] = log p(seq[t+1] | seq[:t+1])`` (length ``len(seq) - 1``), in input
-        order, at ``temperature``; with ``entropies=True`` also the entropy of each of those distributions."""
+        order, at ``temperature``; with ``entropies=True`` also the entropy of each of those distributions.
+
+        ``score_from[i]``: the first log-prob index sequence ``i`` needs (e.g. its prompt length - 1); its
+        result then starts there (``lp[k]`` is index ``score_from[i] + k``), and the LM head runs only on
+        positions some sequence needs. Default: every position."""
         logps, ents = [None] * len(trie), [None] * len(trie)
 
         def record(index, lp, ent):
             logps[index], ents[index] = lp, ent
 
-        self._walk(trie, temperature, entropies, record, grad=False)
+        self._walk(trie, temperature, entropies, record, grad=False, score_from=score_from)
         return (logps, ents) if entropies else logps
 
+    @torch.no_grad()
+    def router_stats(self, trie: PrefixTrie) -> RouterStats:
+        """MoE models: a forward of every unique token (no LM head, no graph) that counts, per trie node, the
+        experts each token's router picks and sums its router probabilities (:class:`RouterStats`)."""
+        if not self.lm.is_moe:
+            raise ValueError(f"{type(self.lm.base).__name__} has no MoE router.")
+        stats = RouterStats({}, {}, 0)
+        self._walk(trie, 1.0, False, lambda *a: None, grad=False, router=stats, score=False)
+        return stats
+
     def backward(
-        self, trie: PrefixTrie, loss_fn: LossFn, temperature: float = 1.0, entropies: bool = False
+        self,
+        trie: PrefixTrie,
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        entropies: bool = False,
+        router_grad: RouterGrad | None = None,
+        score_from: Sequence[int] | None = None,
     ) -> float:
         """Accumulate into the trainable parameters' ``.grad`` exactly what
         ``sum_i loss_fn(i, logps_i, entropies_i).backward()`` would with dense per-sequence forwards, and
         return that summed loss. ``loss_fn(index, logps, entropies)`` returns a scalar tensor for sequence
         ``index`` (``entropies`` is None unless ``entropies=True``); it may depend on all of the sequence's
-        log-probs (sequence-level losses)."""
+        log-probs (sequence-level losses).
+
+        ``router_grad`` (MoE models): per trie node a vector ``v`` [num_experts]; the gradient of
+        ``sum <v, softmax(router logits)>`` over the node's tokens and router layers is added as well. Nodes
+        missing from the mapping add nothing. ``score_from``: as in :meth:`logprobs`; ``loss_fn`` then gets
+        each sequence's log-probs from its ``score_from`` index on."""
+        if router_grad is not None and not self.lm.is_moe:
+            raise ValueError(f"router_grad given, but {type(self.lm.base).__name__} has no MoE router.")
         total = []
 
         def on_loss(index, lp, ent):
@@ -122,41 +178,76 @@ class TreeExecutor:
             total.append(loss.detach())
             return loss
 
-        self._walk(trie, temperature, entropies, on_loss, grad=True)
+        self._walk(trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from)
         return float(sum(t.detach().double() for t in total)) if total else 0.0
 
     # ------------------------------------------------------------------ the walk
-    def _walk(self, trie: PrefixTrie, temperature: float, entropies: bool, on_sequence, grad: bool) -> None:
+    def _walk(
+        self, trie: PrefixTrie, temperature: float, entropies: bool, on_sequence, grad: bool,
+        router: RouterGrad | RouterStats | None = None, score: bool = True,
+        score_from: Sequence[int] | None = None,
+    ) -> None:  # fmt: skip
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.lm.check_call(trie.max_depth)
         stack: list[_Frame] = []
-        with self.lm.no_gradient_checkpointing():
-            for step in build_plan(trie, self.block_size, self.batch_tokens):
-                if isinstance(step, Push):
-                    frame = self._push(trie, step.segment, stack, temperature, entropies, grad and step.keep_graph)
-                    stack.append(frame)
-                    losses = [
-                        on_sequence(i, *self._path_scores(stack, None, None)) for i in step.segment.terminals
-                    ]
-                    if grad:
-                        self._backprop_losses(losses)
-                elif isinstance(step, Leaves):
-                    self._leaves(trie, step, stack, temperature, entropies, on_sequence, grad)
-                elif isinstance(step, Pop):
-                    frame = stack.pop()
-                    if grad:
-                        self._pop(trie, frame, step.keep_graph, stack, temperature, entropies)
+        self._router, self._scoring = router, score
+        self._seq_from, self._node_from = self._first_scored(trie, score_from)
+        try:
+            with self.lm.no_gradient_checkpointing():
+                for step in build_plan(trie, self.block_size, self.batch_tokens):
+                    if isinstance(step, Push):
+                        with_graph = grad and step.keep_graph
+                        frame = self._push(trie, step.segment, stack, temperature, entropies, with_graph)
+                        stack.append(frame)
+                        if score:
+                            losses = [
+                                on_sequence(i, *self._path_scores(stack, None, None, 0, self._seq_from[i]))
+                                for i in step.segment.terminals
+                            ]
+                            if grad:
+                                self._backprop_losses(losses)
+                    elif isinstance(step, Leaves):
+                        self._leaves(trie, step, stack, temperature, entropies, on_sequence, grad)
+                    elif isinstance(step, Pop):
+                        frame = stack.pop()
+                        if grad:
+                            self._pop(trie, frame, step.keep_graph, stack, temperature, entropies)
+        finally:
+            self._router, self._scoring = None, True
 
     @staticmethod
-    def _path_scores(stack, logps, ents):
-        """A sequence's log-probs (and entropies) along the stack, then ``logps``/``ents`` of a leaf row."""
-        lps = [f.logps_leaf for f in stack] + ([logps] if logps is not None else [])
-        cat_lp = torch.cat(lps)
-        if stack and stack[0].entropies_leaf is None:
+    def _first_scored(trie: PrefixTrie, score_from: Sequence[int] | None):
+        """Per sequence, and per node the smallest over the sequences through it: the first log-prob index to
+        score. A node scores from there (or from its own first index), so each sequence's scored indices
+        are contiguous along its path."""
+        if score_from is None:
+            return [0] * len(trie), None
+        if len(score_from) != len(trie):
+            raise ValueError(f"score_from has {len(score_from)} entries for {len(trie)} sequences")
+        node_from: dict[TrieNode, int] = {}
+        for i, first in enumerate(score_from):
+            if not 0 <= first <= trie.sequence_length(i) - 1:
+                raise ValueError(f"score_from[{i}] = {first} is outside [0, {trie.sequence_length(i) - 1}]")
+            for node in trie.path(i):
+                node_from[node] = min(node_from.get(node, first), first)
+        return list(score_from), node_from
+
+    def _from(self, node: TrieNode) -> int:
+        return 0 if self._node_from is None else self._node_from[node]
+
+    @staticmethod
+    def _path_scores(stack, logps, ents, leaf_from, seq_from):
+        """A sequence's log-probs (and entropies) from its index ``seq_from`` on: the scored part of each
+        segment on the stack, then ``logps``/``ents`` of a leaf row (which start at index ``leaf_from``)."""
+        pieces = [(f.logps_leaf, f.entropies_leaf, f.lp_from) for f in stack]
+        if logps is not None:
+            pieces.append((logps, ents, leaf_from))
+        cut = [max(0, seq_from - first) for _, _, first in pieces]
+        cat_lp = torch.cat([lp[c:] for (lp, _, _), c in zip(pieces, cut, strict=True)])
+        if pieces[0][1] is None:
             return cat_lp, None
-        es = [f.entropies_leaf for f in stack] + ([ents] if ents is not None else [])
-        return cat_lp, (torch.cat(es) if es else None)
+        return cat_lp, torch.cat([e[c:] for (_, e, _), c in zip(pieces, cut, strict=True)])
 
     @staticmethod
     def _backprop_losses(losses: list[torch.Tensor]) -> None:
@@ -169,34 +260,66 @@ class TreeExecutor:
             return None
         past = []
         for layer in range(self.lm.num_layers):
-            k = torch.cat([f.kv_leaf[layer][0] for f in stack], dim=2)
-            v = torch.cat([f.kv_leaf[layer][1] for f in stack], dim=2)
+            k = torch.cat([f.kv_leaf[layer][0] for f in stack], dim=2).to(stack[0].kv[layer][0].dtype)
+            v = torch.cat([f.kv_leaf[layer][1] for f in stack], dim=2).to(stack[0].kv[layer][1].dtype)
             past.append((k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)))
         return past
 
-    def _forward(self, ids: torch.Tensor, start: int, stack: list[_Frame]):
+    def _forward(self, ids: torch.Tensor, start: int, stack: list[_Frame], positions=None, attention_mask=None):
+        """Decode ``ids`` [B, L] on the stack's K/V: hidden [B, L, D], new K/V, and (when the walk reads router
+        logits) each router layer's logits [B * L, E]."""
         self.forward_calls += 1
         self.forward_tokens += ids.numel()
-        return self.lm.forward(ids, start, self._past(stack, ids.shape[0]))
+        past = self._past(stack, ids.shape[0])
+        if self._router is None:
+            return (*self.lm.forward(ids, start, past, positions, attention_mask), None)
+        return self.lm.forward_routed(ids, start, past, positions, attention_mask)
 
-    def _score(self, hiddens, ids, start, parent_hidden, temperature, entropies):
-        """Log-probs (and entropies) of each row's tokens (``hiddens[r]``: [L_r, D], ``ids[r]``: [L_r]): the
-        logits of position ``t`` score token ``t + 1``, and the parent's last hidden state scores the
-        segment's first token (none at the root). One LM-head call for all rows."""
-        if start == 0:
-            inputs = [h[:-1] for h in hiddens]
-            targets = [t[1:] for t in ids]
-        else:
-            inputs = [torch.cat([parent_hidden.reshape(1, -1), h[:-1]]) for h in hiddens]
-            targets = list(ids)
+    def _route(self, node: TrieNode, routers: list[torch.Tensor] | None) -> torch.Tensor | None:
+        """MoE: fold one row's router logits (per router layer [L, E]) for ``node`` into the walk's router
+        statistics (counting pass), or return its ``sum <v, softmax(logits)>`` term (gradient walk)."""
+        if routers is None:
+            return None
+        if isinstance(self._router, RouterStats):
+            stats, top_k = self._router, self.lm.top_k
+            stats.layers = len(routers)
+            for logits in routers:
+                probs = torch.softmax(logits, dim=-1)  # in the logits' dtype, as TRL's loss does
+                picked = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
+                counts = torch.bincount(picked, minlength=probs.shape[-1]).float()
+                stats.counts[node] = stats.counts.get(node, 0) + counts
+                stats.probs[node] = stats.probs.get(node, 0) + probs.float().sum(0)
+            return None
+        v = self._router.get(node)
+        if v is None or not torch.is_grad_enabled():
+            return None
+        return sum((torch.softmax(logits, dim=-1).float() @ v.float()).sum() for logits in routers)
+
+    def _score(self, hiddens, ids, start, parent_hidden, temperature, entropies, froms):
+        """Log-probs (and entropies) of each row's tokens (``hiddens[r]``: [L_r, D], ``ids[r]``: [L_r], at
+        positions ``start..``): the logits of position ``t`` score token ``t + 1`` (log-prob index ``t``),
+        and the parent's last hidden state scores the segment's first token (none at the root). Row ``r``
+        is scored from index ``max(froms[r], start - 1)`` on; returns, per row, the log-probs, entropies and
+        that first index. One LM-head call for all rows."""
+        inputs, targets, firsts = [], [], []
+        lowest = max(start - 1, 0)
+        for h, t, first in zip(hiddens, ids, froms, strict=True):
+            end = start + t.numel() - 1  # one past the segment's last log-prob index
+            first = min(max(first, lowest), end)
+            if first < start:  # the parent's last hidden state scores the first token
+                inputs.append(torch.cat([parent_hidden.reshape(1, -1).to(h.dtype), h[: end - start]]))
+            else:
+                inputs.append(h[first - start : end - start])
+            targets.append(t[first + 1 - start : end + 1 - start])
+            firsts.append(first)
         counts = [t.numel() for t in targets]
         if sum(counts) == 0:
             empty = hiddens[0].new_zeros(0, dtype=torch.float64 if hiddens[0].dtype == torch.float64 else torch.float32)
-            return [empty] * len(ids), ([empty] * len(ids) if entropies else None)
+            return [empty] * len(ids), ([empty] * len(ids) if entropies else None), firsts
         logp_all = torch.log_softmax(self.lm.logits(torch.cat(inputs), temperature), dim=-1)
         lp = logp_all.gather(-1, torch.cat(targets)[:, None]).squeeze(-1)
         ent = -(logp_all.exp() * logp_all).sum(-1) if entropies else None
-        return list(lp.split(counts)), (list(ent.split(counts)) if entropies else None)
+        return list(lp.split(counts)), (list(ent.split(counts)) if entropies else None), firsts
 
     def _segment_ids(self, trie: PrefixTrie, segment: Segment) -> torch.Tensor:
         tokens = trie.sequences[segment.node.seq][segment.start : segment.end]
@@ -204,20 +327,28 @@ class TreeExecutor:
 
     def _compute_segment(self, trie, segment, stack, temperature, entropies):
         ids = self._segment_ids(trie, segment)[None]
-        hidden, kv = self._forward(ids, segment.start, stack)
+        hidden, kv, routers = self._forward(ids, segment.start, stack)
+        router_term = self._route(segment.node, routers)
+        if not self._scoring:
+            return kv, hidden[:, -1:], hidden.new_zeros(0), None, router_term, segment.end - 1
         parent_hidden = stack[-1].last_hidden_leaf if stack else None
-        lps, ents = self._score([hidden[0]], [ids[0]], segment.start, parent_hidden, temperature, entropies)
-        return kv, hidden[:, -1:], lps[0], (ents[0] if entropies else None)
+        froms = [self._from(segment.node)]
+        lps, ents, firsts = self._score([hidden[0]], [ids[0]], segment.start, parent_hidden, temperature, entropies, froms)
+        return kv, hidden[:, -1:], lps[0], (ents[0] if entropies else None), router_term, firsts[0]
 
     def _push(self, trie, segment, stack, temperature, entropies, with_graph) -> _Frame:
         with torch.set_grad_enabled(with_graph):
-            kv, last_hidden, lp, ent = self._compute_segment(trie, segment, stack, temperature, entropies)
+            kv, last_hidden, lp, ent, router_term, lp_from = self._compute_segment(
+                trie, segment, stack, temperature, entropies
+            )
         return _Frame(
             segment, kv, last_hidden, lp, ent,
             kv_leaf=[(_leaf(k), _leaf(v)) for k, v in kv],
             last_hidden_leaf=_leaf(last_hidden),
             logps_leaf=_leaf(lp),
             entropies_leaf=_leaf(ent),
+            lp_from=lp_from,
+            router_term=router_term if with_graph else None,
         )  # fmt: skip
 
     def _leaves(self, trie, step: Leaves, stack, temperature, entropies, on_sequence, grad) -> None:
@@ -227,25 +358,35 @@ class TreeExecutor:
         parent_hidden = stack[-1].last_hidden_leaf if stack else None
         with torch.set_grad_enabled(grad):
             if len(segments) > 1 and self.pack_leaves:
-                hiddens = self._forward_packed(ids, start, stack)
+                hiddens, routers = self._forward_packed(ids, start, stack)
             else:
-                hiddens = self._forward_padded(ids, start, stack)
-            lps, ents = self._score(hiddens, ids, start, parent_hidden, temperature, entropies)
-            losses = []
-            for row, segment in enumerate(segments):
-                path_lp, path_ent = self._path_scores(stack, lps[row], ents[row] if entropies else None)
-                losses += [on_sequence(i, path_lp, path_ent) for i in segment.terminals]
+                hiddens, routers = self._forward_padded(ids, start, stack)
+            losses = [self._route(s.node, r) for s, r in zip(segments, routers, strict=True)]
+            losses = [t for t in losses if t is not None]
+            if self._scoring:
+                froms = [self._from(s.node) for s in segments]
+                lps, ents, firsts = self._score(hiddens, ids, start, parent_hidden, temperature, entropies, froms)
+                for row, segment in enumerate(segments):
+                    ent = ents[row] if entropies else None
+                    for i in segment.terminals:
+                        path = self._path_scores(stack, lps[row], ent, firsts[row], self._seq_from[i])
+                        losses.append(on_sequence(i, *path))
         if grad:
             self._backprop_losses(losses)
 
     def _forward_padded(self, ids, start, stack):
-        """Sibling leaves as a right-padded batch (causal attention keeps padding invisible to real tokens)."""
+        """Sibling leaves as a right-padded batch (causal attention keeps padding invisible to real tokens).
+        Returns each row's hidden states and (MoE) each row's router logits per layer, padding dropped."""
         lengths = [t.numel() for t in ids]
-        batch = torch.zeros(len(ids), max(lengths), dtype=torch.long, device=self.device)
+        width = max(lengths)
+        batch = torch.zeros(len(ids), width, dtype=torch.long, device=self.device)
         for row, t in enumerate(ids):
             batch[row, : lengths[row]] = t
-        hidden, _ = self._forward(batch, start, stack)
-        return [hidden[row, :n] for row, n in enumerate(lengths)]
+        hidden, _, routers = self._forward(batch, start, stack)
+        per_row = [None] * len(ids)
+        if routers is not None:  # each [B * width, E], row-major
+            per_row = [[r.view(len(ids), width, -1)[row, :n] for r in routers] for row, n in enumerate(lengths)]
+        return [hidden[row, :n] for row, n in enumerate(lengths)], per_row
 
     def _forward_packed(self, ids, start, stack):
         """Sibling leaves packed into one row: each token attends the shared past and the earlier tokens of
@@ -259,13 +400,13 @@ class TreeExecutor:
         visible = torch.cat([same_leaf_causal.new_ones(total, start), same_leaf_causal], dim=1)
         dtype = self.lm.lm_head.weight.dtype
         mask = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(~visible, torch.finfo(dtype).min)
-        self.forward_calls += 1
-        self.forward_tokens += total
-        hidden, _ = self.lm.forward(
-            torch.cat(ids)[None], start, self._past(stack, 1), positions=(start + offsets)[None],
-            attention_mask=mask[None, None],
-        )  # fmt: skip
-        return list(hidden[0].split(lengths))
+        hidden, _, routers = self._forward(
+            torch.cat(ids)[None], start, stack, positions=(start + offsets)[None], attention_mask=mask[None, None]
+        )
+        per_row = [None] * len(ids)
+        if routers is not None:  # each [total, E]
+            per_row = [list(rows) for rows in zip(*(r.split(lengths) for r in routers), strict=True)]
+        return list(hidden[0].split(lengths)), per_row
 
     def _pop(self, trie, frame: _Frame, kept_graph: bool, stack, temperature, entropies) -> None:
         pairs = [(out, leaf) for (k, v), (kl, vl) in zip(frame.kv, frame.kv_leaf) for out, leaf in ((k, kl), (v, vl))]
@@ -274,16 +415,23 @@ class TreeExecutor:
             (frame.logps, frame.logps_leaf),
             (frame.entropies, frame.entropies_leaf),
         ]
-        if not any(leaf is not None and leaf.grad is not None for _, leaf in pairs):
+        router_term = frame.router_term
+        has_router = router_term is not None or (not kept_graph and self._router is not None)
+        if not has_router and not any(leaf is not None and leaf.grad is not None for _, leaf in pairs):
             return
         if not kept_graph:  # chunked backward: recompute the segment, this time with a graph
-            kv, last_hidden, lp, ent = self._compute_segment(trie, frame.segment, stack, temperature, entropies)
+            kv, last_hidden, lp, ent, router_term, _ = self._compute_segment(
+                trie, frame.segment, stack, temperature, entropies
+            )
             outs = [t for pair in kv for t in pair] + [last_hidden, lp, ent]
-            pairs = [(out, leaf) for out, (_, leaf) in zip(outs, pairs)]
+            pairs = [(out, leaf) for out, (_, leaf) in zip(outs, pairs, strict=True)]
         outs, grads = [], []
         for out, leaf in pairs:
             if leaf is not None and leaf.grad is not None and out.requires_grad:
                 outs.append(out)
-                grads.append(leaf.grad)
+                grads.append(leaf.grad.to(out.dtype))
+        if router_term is not None and router_term.requires_grad:
+            outs.append(router_term)
+            grads.append(torch.ones_like(router_term))
         if outs:
             torch.autograd.backward(outs, grads)

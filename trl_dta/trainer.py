@@ -30,6 +30,7 @@ from . import distributed
 from .config import TreePPOConfig
 from .executor import TreeExecutor
 from .losses import LossSettings, RowLoss
+from .router_loss import load_balancing_loss, node_weights
 from .trie import PrefixTrie
 
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
@@ -53,7 +54,7 @@ class TreePPOTrainer(GRPOTrainer):
         self._tree_check = getattr(a, "tree_check_gradients", False)
         self._tree_check_tolerance = getattr(a, "tree_check_tolerance", TreePPOConfig.tree_check_tolerance)
         self._executors: dict[int, TreeExecutor] = {}
-        self._tree_detached = None  # (logps, entropies) served to TRL's _compute_loss for its metrics
+        self._tree_detached = None  # (logps, entropies, aux) served to TRL's _compute_loss for its metrics
         self._loss_settings = LossSettings.from_trainer(self)
         if a.fp16:
             raise ValueError("fp16 mixed precision (gradient scaling) is not supported by the tree walk; use bf16.")
@@ -83,17 +84,23 @@ class TreePPOTrainer(GRPOTrainer):
         return self._executors[id(model)]
 
     @staticmethod
-    def _rows(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    def _rows(prompt_ids, prompt_mask, completion_ids, completion_mask, keep_prompt_only=False):
         """Each row's real tokens (prompt without left padding + completion up to its last unmasked token)
-        and its prompt length; rows with no completion token to score are None (their loss is 0)."""
+        and its prompt length; rows with no completion token to score are None (their loss is 0), unless
+        ``keep_prompt_only`` (MoE: TRL's load-balancing loss counts every token of the attention mask, the
+        prompt of such a row too)."""
         rows = []
-        for p_ids, p_mask, c_ids, c_mask in zip(prompt_ids, prompt_mask, completion_ids, completion_mask):
+        for i, (p_ids, p_mask, c_ids, c_mask) in enumerate(
+            zip(prompt_ids, prompt_mask, completion_ids, completion_mask, strict=True)
+        ):
             prompt = p_ids[p_mask.bool()]
             real = c_mask.nonzero()
-            if real.numel() == 0 or prompt.numel() == 0:
+            length = int(real[-1]) + 1 if real.numel() else 0
+            if prompt.numel() == 0 or (length == 0 and not keep_prompt_only):
                 rows.append(None)
                 continue
-            length = int(real[-1]) + 1
+            if prompt.numel() + length < 2:
+                raise ValueError(f"row {i} has a single token; the tree walk needs at least two per row.")
             rows.append((torch.cat([prompt, c_ids[:length]]).tolist(), prompt.numel()))
         return rows
 
@@ -116,8 +123,7 @@ class TreePPOTrainer(GRPOTrainer):
         compute_aux_loss=False, **multimodal,
     ):  # fmt: skip
         if self._tree_detached is not None:  # TRL's _compute_loss, run for its metrics on the walk's values
-            logps, entropies = self._tree_detached
-            return logps, entropies, None
+            return self._tree_detached
         if any(multimodal.get(k) is not None for k in _MULTIMODAL):
             raise ValueError("multimodal inputs are not supported by the tree walk.")
         if torch.is_grad_enabled():
@@ -165,10 +171,13 @@ class TreePPOTrainer(GRPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("The TreePPOTrainer does not support returning outputs")
+        multimodal = [k for k in _MULTIMODAL if inputs.get(k) is not None]
+        if multimodal:
+            raise ValueError(f"multimodal inputs ({', '.join(multimodal)}) are not supported by the tree walk.")
         mode = "train" if self.model.training else "eval"
         training = mode == "train" and torch.is_grad_enabled()
         rows = self._rows(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
-                          inputs["completion_mask"])  # fmt: skip
+                          inputs["completion_mask"], keep_prompt_only=self.aux_loss_enabled)  # fmt: skip
         trie, kept = self._trie(rows)
         row_loss = self._row_loss(model, inputs, mode == "train")
 
@@ -181,6 +190,8 @@ class TreePPOTrainer(GRPOTrainer):
             i = kept[index]
             start = rows[i][1] - 1  # the completion's log-probs: positions after the prompt
             n = lp.numel() - start
+            if n == 0:  # a prompt-only row, kept for the MoE load-balancing loss: no policy loss
+                return lp.new_zeros(())
             logps[i, :n], entropies[i, :n] = lp[start:].detach(), ent[start:].detach()
             loss = row_loss(i, lp[start:], ent[start:])
             magnitudes.append(loss.detach().abs())
@@ -188,15 +199,26 @@ class TreePPOTrainer(GRPOTrainer):
 
         dense_grads = self._dense_gradients(model, inputs) if (self._tree_check and training) else None
         started = time.perf_counter()
-        row_total = 0.0
+        row_total, aux, router_grad = 0.0, None, None
         if trie is not None:
             executor = self._executor(model)
             with self.accelerator.autocast():
+                if self.aux_loss_enabled:  # MoE: TRL's load-balancing loss, exactly (see trl_dta/router_loss.py)
+                    weights = node_weights(trie, range(len(trie)))
+                    aux, v = load_balancing_loss(executor.router_stats(trie), weights, executor.lm.num_experts)
+                    accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+                    scale = self.router_aux_loss_coef / accumulation
+                    router_grad = {node: scale * x for node, x in v.items()}
+                    row_total += scale * float(aux)
                 if training:
-                    row_total = executor.backward(trie, loss_fn, self.temperature, entropies=True)
+                    row_total += executor.backward(
+                        trie, loss_fn, self.temperature, entropies=True, router_grad=router_grad
+                    )
                 else:
                     lps, ents = executor.logprobs(trie, self.temperature, entropies=True)
-                    row_total = sum(float(loss_fn(k, lp, ent)) for k, (lp, ent) in enumerate(zip(lps, ents)))
+                    row_total += sum(
+                        float(loss_fn(k, lp, ent)) for k, (lp, ent) in enumerate(zip(lps, ents, strict=True))
+                    )
         elapsed = time.perf_counter() - started
         if training and self._multi_process and self.accelerator.sync_gradients:
             # the walk ran on the unwrapped module (no DDP hooks): average the accumulated gradients once
@@ -205,7 +227,9 @@ class TreePPOTrainer(GRPOTrainer):
             self._compare_with_dense(dense_grads)
             self._tree_check = False
 
-        with self._serve_detached(logps, entropies):
+        if self.aux_loss_enabled and aux is None:  # nothing to walk: TRL still reads an aux value
+            aux = torch.zeros((), device=logps.device)
+        with self._serve_detached(logps, entropies, aux):
             loss = GRPOTrainer._compute_loss(self, model, inputs).detach()  # TRL's metrics and state
         if row_loss.rows != inputs["completion_mask"].shape[0]:  # TRL's value counts zero-weight padding rows
             loss = torch.tensor(row_total, device=loss.device, dtype=loss.dtype)
@@ -226,8 +250,8 @@ class TreePPOTrainer(GRPOTrainer):
         return loss
 
     @contextmanager
-    def _serve_detached(self, logps, entropies):
-        self._tree_detached = (logps, entropies)
+    def _serve_detached(self, logps, entropies, aux):
+        self._tree_detached = (logps, entropies, aux)
         try:
             yield
         finally:
