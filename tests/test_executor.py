@@ -131,3 +131,38 @@ def test_probe_rejects_an_ignored_cache(monkeypatch):
     monkeypatch.setattr(CausalLM, "_cache_keyword", lambda self: "unused_cache_keyword")
     with pytest.raises(ValueError, match="ignores the passed KV cache"):
         TreeExecutor(model)
+
+
+@pytest.mark.parametrize("family,attn", FAMILIES[:2])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seqs=shared_prefix_sequences(),
+    block_size=st.sampled_from([2, 5, 1000]),
+    batch_tokens=st.sampled_from([0, None]),
+    pack=st.booleans(),
+    data=st.data(),
+)
+def test_score_from_matches_dense(family, attn, seqs, block_size, batch_tokens, pack, data):
+    """Scoring each sequence from its own first index (a prompt length) gives the dense log-probs and
+    gradients of the loss on that part, on every path."""
+    froms = [data.draw(st.integers(0, len(s) - 2)) for s in seqs]
+    model = cached_model(family, attn)
+    full = loss_fn_for(seqs, use_entropy=True)
+
+    def loss_fn(i, lp, ent):  # the loss reads positions from froms[i] on only
+        pad = lp.new_zeros(froms[i])
+        return full(i, torch.cat([pad, lp]), torch.cat([pad, ent]))
+
+    def dense_loss(i, lp, ent):
+        return loss_fn(i, lp[froms[i] :], ent[froms[i] :])
+
+    ref, _ = dense_grads(model, seqs, dense_loss)
+    executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens, pack_leaves=pack)
+    trie = PrefixTrie.from_sequences(seqs)
+    model.zero_grad(set_to_none=True)
+    executor.backward(trie, loss_fn, entropies=True, score_from=froms)
+    assert max_rel_diff(grads_of(model), ref) < TIGHT
+    logps = executor.logprobs(trie, score_from=froms)
+    with torch.no_grad():
+        for i, seq in enumerate(seqs):
+            torch.testing.assert_close(logps[i], dense_logps(model, seq)[0][froms[i] :], rtol=0, atol=1e-12)

@@ -118,3 +118,25 @@ def test_peak_saved_memory_flat_in_number_of_leaves():
     assert large <= 1.25 * small, (small, large)
     dense_small, dense_large = dense_peak(8), dense_peak(32)  # negative control: dense grows with the batch
     assert 3.5 * dense_small <= dense_large <= 4.5 * dense_small, (dense_small, dense_large)
+
+
+@pytest.mark.parametrize("block_size", [1000, 7])
+def test_lm_head_runs_only_on_scored_positions(block_size):
+    """With score_from = prompt length - 1, the LM head sees exactly the log-probs some loss reads: the union
+    over sequences of (context, target) pairs from score_from on, each once (chunked recompute included).
+    A node's last hidden state scores the first token of each child: one row per child."""
+    model = make_model("qwen3", "sdpa", dtype=torch.float32)
+    seqs = sequences()
+    froms = [40 + 9 - 1] * len(seqs)  # system prompt + prompt: the completions start after them
+    trie = PrefixTrie.from_sequences(seqs)
+    needed = {tuple(s[: t + 2]) for s, f in zip(seqs, froms, strict=True) for t in range(f, len(s) - 1)}
+    executor = TreeExecutor(model, block_size=block_size)
+    counter = TokenCounter(model)
+    try:
+        executor.logprobs(trie, score_from=froms)
+        assert sum(counter.head_rows) == len(needed)
+        counter.head_rows.clear()
+        executor.logprobs(trie)  # default: every position of every unique path
+        assert sum(counter.head_rows) == trie.num_unique_tokens - len(trie.root.children)
+    finally:
+        counter.remove()
