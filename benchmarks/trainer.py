@@ -1,26 +1,36 @@
 """Benchmark: TreePPOTrainer vs stock TRL GRPOTrainer end to end (``trainer.train()``) on tau2-shaped batches.
 
-    python benchmarks/trainer.py [--quick] [--steps 4] [--repeats 2]
+    python benchmarks/trainer.py [--quick] [--case tau2-ga1|tau2-ga4|tau2-ga8|long-prompt-ga4] [--steps 4]
 
-Three trainers, same initial weights, same scripted batches (tests/grpo_setup.py: every rollout of a group
+Four trainers, same initial weights, same scripted batches (tests/grpo_setup.py: every rollout of a group
 shares the system prompt + tool schemas, the user turn and a first tool-call turn with its tool response,
 then gives its own final answer), same config otherwise:
 
 * (a) stock ``GRPOTrainer``, gradient checkpointing off;
 * (b) stock ``GRPOTrainer``, gradient checkpointing on (TRL's default);
-* (c) ``TreePPOTrainer`` (prefix-trie walk for the loss forward/backward and the no-grad log-prob passes).
+* (c) ``TreePPOTrainer`` (one trie per optimizer step for the loss forward/backward; no-grad log-prob
+  passes over the generation batch);
+* (d) ``TreePPOTrainer`` walking one trie per micro-batch (how it worked before the step walk; only with
+  gradient accumulation > 1, where the two differ).
 
-One micro-batch = one group of 8 rollouts of one task (per_device_train_batch_size = num_generations = 8),
-gradient_accumulation_steps 1, num_iterations 2 (so TRL also runs the no-grad old-log-prob pass once per
-generation), ``--steps`` optimizer steps. Model: a 4-layer Qwen3 (hidden 256, GQA 4/2 heads, head_dim 64,
+Cases (groups of 8 rollouts, num_iterations 2, so TRL also runs the no-grad old-log-prob pass once per
+generation; ``--steps`` optimizer steps):
+
+* ``tau2-ga1``: one micro-batch = one group (per_device_train_batch_size 8), gradient accumulation 1;
+* ``tau2-ga4``: 4 groups per optimizer step, per-device batch 8, gradient accumulation 4: TRL's shuffle
+  spreads each group over the 4 micro-batches;
+* ``tau2-ga8``: the same 4 groups with per-device batch 4 and gradient accumulation 8;
+* ``long-prompt-ga4``: single-turn GRPO (no tools), a long user prompt (``--prompt_words``), groups of 8,
+  gradient accumulation 4. Model: a 4-layer Qwen3 (hidden 256, GQA 4/2 heads, head_dim 64,
 vocab 600) in fp32 with sdpa, so model compute dominates. Runs alternate a, b, c, a, b, c, ... ``--repeats``
 times after one untimed warm-up step of each; medians are reported. Measured per run:
 
 * ``train s``: wall time of ``trainer.train()`` (construction excluded): generation, rewards, old log-probs,
   loss, optimizer, logging - everything;
 * ``step s``: TRL's logged ``step_time`` (one ``training_step``), median over steps;
-* ``fwd+bwd s``: per step, ``compute_loss`` + ``accelerator.backward`` (the policy forward/backward; for
-  (c) the walk, plus TRL's ``_compute_loss`` on detached values for its metrics), median over steps;
+* ``fwd+bwd s``: per optimizer step, ``compute_loss`` + ``accelerator.backward`` summed over its micro-batches
+  (the policy forward/backward; for (c) and (d) the walk, plus TRL's ``_compute_loss`` on detached values for
+  its metrics), median over steps;
 * ``logp s``: the no-grad log-prob pass(es) per generation (old log-probs), median;
 * ``tree/time``: the walk alone as TreePPOTrainer logs it (c only).
 
@@ -61,6 +71,12 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_dta import TreePPOConfig, TreePPOTrainer  # noqa: E402
 
+CASES = {  # name: (per_device_train_batch_size, gradient_accumulation_steps, prompts, tools)
+    "tau2-ga1": (8, 1, 2, True),
+    "tau2-ga4": (8, 4, 4, True),
+    "tau2-ga8": (4, 8, 4, True),
+    "long-prompt-ga4": (8, 4, 4, False),
+}
 MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)  # fmt: skip
 
@@ -95,19 +111,41 @@ class Timed(ScriptedGenerationMixin):
         return out
 
 
+class PerMicroBatch(TreePPOTrainer):
+    """TreePPOTrainer as it was before the step walk: one trie per micro-batch."""
+
+    def _walked_in_step(self, model, inputs):
+        return self._walk(model, [inputs], training=True)[0]
+
+
 TRAINERS = {  # name: (trainer class, config class, gradient checkpointing)
     "a: GRPO": (type("StockTimed", (Timed, GRPOTrainer), {}), GRPOConfig, False),
     "b: GRPO+ckpt": (type("StockTimed", (Timed, GRPOTrainer), {}), GRPOConfig, True),
     "c: TreePPO": (type("TreeTimed", (Timed, TreePPOTrainer), {}), TreePPOConfig, False),
+    "d: TreePPO/mb": (type("TreeMbTimed", (Timed, PerMicroBatch), {}), TreePPOConfig, False),
 }
 
 
-def run(name, steps, out_dir):  # out_dir: scratch (nothing is saved)
+def long_prompt_dataset(num_prompts, words):
+    from datasets import Dataset
+    from grpo_setup import _WORDS, SYSTEM_PROMPT, _user_message
+
+    filler = " ".join(_WORDS[j % len(_WORDS)] for j in range(words))
+    prompts = [[{"role": "system", "content": SYSTEM_PROMPT + " " + filler},
+                {"role": "user", "content": _user_message(i)}] for i in range(num_prompts)]  # fmt: skip
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def run(name, steps, out_dir, case="tau2-ga1", prompt_words=600):  # out_dir: scratch (nothing is saved)
     trainer_cls, config_cls, ckpt = TRAINERS[name]
-    config = make_config(out_dir, config_cls=config_cls, per_device_train_batch_size=8,
-                         num_generations=8, gradient_accumulation_steps=1, num_iterations=2, max_steps=steps,
-                         learning_rate=1e-4, gradient_checkpointing=ckpt, disable_tqdm=True)  # fmt: skip
-    trainer = make_trainer(trainer_cls, config, model=tiny_model(seed=0, **MODEL), num_prompts=2)
+    batch, accumulation, prompts, tools = CASES[case]
+    config = make_config(out_dir, config_cls=config_cls, per_device_train_batch_size=batch,
+                         num_generations=8, gradient_accumulation_steps=accumulation, num_iterations=2,
+                         max_steps=steps, learning_rate=1e-4, gradient_checkpointing=ckpt,
+                         disable_tqdm=True)  # fmt: skip
+    dataset = long_prompt_dataset(prompts, prompt_words) if not tools else None
+    trainer = make_trainer(trainer_cls, config, model=tiny_model(seed=0, **MODEL), num_prompts=prompts,
+                           tools=tools, dataset=dataset)  # fmt: skip
     trainer.remove_callback(PrinterCallback)  # disable_tqdm=True would print every log dict instead
     trainer.bench = {"fwd_bwd": [], "logp": [], "padded": []}
     started = time.perf_counter()
@@ -117,8 +155,10 @@ def run(name, steps, out_dir):  # out_dir: scratch (nothing is saved)
     assert trainer.model.is_gradient_checkpointing == ckpt, f"{name}: gradient checkpointing is not {ckpt}"
     med = statistics.median
     tree = lambda key: [h[f"tree/{key}"] for h in logs if f"tree/{key}" in h]  # noqa: E731 (c only)
+    micro = trainer.bench["fwd_bwd"]  # per micro-batch; the step walk does its work in the first one
+    per_step = [sum(micro[i : i + accumulation]) for i in range(0, len(micro), accumulation)]
     return dict(
-        train_s=train_s, step_s=med(h["step_time"] for h in logs), fwd_bwd_s=med(trainer.bench["fwd_bwd"]),
+        train_s=train_s, step_s=med(h["step_time"] for h in logs), fwd_bwd_s=med(per_step),
         logp_s=med(trainer.bench["logp"]), padded_ratio=statistics.mean(trainer.bench["padded"]),
         dedup_ratio=tree("dedup_ratio"),
         tree_time_s=med(tree("time") or [float("nan")]), tokens=tree("tokens"),
@@ -144,8 +184,8 @@ def print_table(summary, dedup, padded):
         print("  ".join(x.ljust(w) if j == 0 else x.rjust(w) for j, (x, w) in enumerate(zip(r, widths))))
         if i == 0:
             print("  ".join("-" * w for w in widths))
-    print(f"\n'c x' = that trainer's time / TreePPO's (speedup of c over it). dedup ratio per micro-batch "
-          f"{dedup:.2f}x (tokens / unique tokens), padded ratio of the dense batch {padded:.2f}x; "
+    print(f"\n'c x' = that trainer's time / TreePPO's (speedup of c over it). dedup ratio of the optimizer "
+          f"step {dedup:.2f}x (tokens / unique tokens), padded ratio of the dense batch {padded:.2f}x; "
           f"TreePPO tree/time (walk only) {c['tree_time_s']:.3f} s per step.")  # fmt: skip
 
 
@@ -159,7 +199,7 @@ def plot(summary, runs, path):
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, title in ((axes[0], "train_s", "trainer.train() wall time, s"),
                            (axes[1], "fwd_bwd_s", "loss forward+backward per step, s")):  # fmt: skip
-        ax.bar(names, [summary[n][key] for n in names], color=["C0", "C1", "C2"])
+        ax.bar(names, [summary[n][key] for n in names], color=[f"C{i}" for i in range(len(names))])
         for i, n in enumerate(names):
             ax.plot([i] * len(runs[n]), [r[key] for r in runs[n]], "k.", ms=5)  # individual runs
             ax.annotate(f"{summary[n][key]:.2f}", (i, summary[n][key]), ha="center", va="bottom")
@@ -174,6 +214,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 steps, 1 repeat (< 1.5 min)")
     ap.add_argument("--steps", type=int, help="optimizer steps per train() (default 4; 2 with --quick)")
     ap.add_argument("--repeats", type=int, help="timed train() runs per trainer (default 2; 1 with --quick)")
+    ap.add_argument("--case", choices=sorted(CASES), default="tau2-ga1")
+    ap.add_argument("--prompt_words", type=int, default=600, help="filler words of long-prompt-ga4's prompt")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out"))
     args = ap.parse_args()
     args.steps = args.steps or (2 if args.quick else 4)
@@ -191,12 +233,13 @@ def main():
         print(f"warning: 1-min load average is {load_before:.1f} before starting; timings will be noisy")
     wall = time.perf_counter()
     scratch = tempfile.mkdtemp(prefix="bench_trainer_")
-    for name in TRAINERS:  # warm-up (kernels, allocator, TreeExecutor's probe): one step each, untimed
-        run(name, 1, scratch)
-    runs = {name: [] for name in TRAINERS}
+    names = [n for n in TRAINERS if not (n.startswith("d:") and CASES[args.case][1] == 1)]
+    for name in names:  # warm-up (kernels, allocator, TreeExecutor's probe): one step each, untimed
+        run(name, 1, scratch, args.case, args.prompt_words)
+    runs = {name: [] for name in names}
     for rep in range(args.repeats):
-        for name in TRAINERS:
-            runs[name].append(run(name, args.steps, scratch))
+        for name in names:
+            runs[name].append(run(name, args.steps, scratch, args.case, args.prompt_words))
             r = runs[name][-1]
             losses = ", ".join(f"{x:.5f}" for x in r["loss"])  # equal across trainers up to fp32 rounding
             print(f"[{rep + 1}/{args.repeats}] {name:13s} train {r['train_s']:.2f} s, fwd+bwd "
@@ -230,13 +273,13 @@ def main():
         load_avg_1min_before=load_before, load_avg_1min_after=os.getloadavg()[0],
     )  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "trainer.json"), "w") as f:
+    with open(os.path.join(args.out, f"trainer-{args.case}.json"), "w") as f:
         json.dump(dict(args=vars(args), model=MODEL, env=env, dedup_ratio=dedup, padded_ratio=padded,
-                       tokens_per_micro_batch=c_run["tokens"],
-                       unique_tokens_per_micro_batch=c_run["unique_tokens"],
+                       tokens_per_step=c_run["tokens"],
+                       unique_tokens_per_step=c_run["unique_tokens"],
                        summary=summary, speedups=derived, runs=runs), f, indent=2)  # fmt: skip
-    plot(summary, runs, os.path.join(args.out, "trainer.png"))
-    print(f"wrote {args.out}/trainer.json and trainer.png")
+    plot(summary, runs, os.path.join(args.out, f"trainer-{args.case}.png"))
+    print(f"wrote {args.out}/trainer-{args.case}.json and .png")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ def main(out_dir, model_dir, loss_type, trainer="tree"):
     batch = dict(BATCH)
     if int(os.environ.get("WORLD_SIZE", 1)) == 1:  # a one-process reference sees the whole global batch
         batch["per_device_train_batch_size"] *= int(os.environ.get("REFERENCE_WORLD", 2))
+    accumulation = int(os.environ.get("GRAD_ACCUM", 1))  # same rows per optimizer step, in more micro-batches
+    batch["per_device_train_batch_size"] //= accumulation
+    batch["gradient_accumulation_steps"] = accumulation
     recorder = GradRecorder()
     config = make_config(os.path.join(out_dir, f"run{rank}"), config_cls=TreePPOConfig if tree else GRPOConfig,
                          loss_type=loss_type, **batch)  # fmt: skip

@@ -27,8 +27,9 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def run(out, model_dir, loss_type, trainer, procs):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "REFERENCE_WORLD": "2", "PYTHONUNBUFFERED": "1"}
+def run(out, model_dir, loss_type, trainer, procs, accumulation=1):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "REFERENCE_WORLD": "2", "PYTHONUNBUFFERED": "1",
+           "GRAD_ACCUM": str(accumulation)}  # fmt: skip
     if procs == 1:
         cmd = [sys.executable, str(WORKER)]
     else:
@@ -41,13 +42,13 @@ def run(out, model_dir, loss_type, trainer, procs):
 
 
 @pytest.mark.parametrize(
-    "loss_type,reference_procs",
-    [("dapo", 1), ("grpo", 1), ("bnpo", 2)],
-    ids=["dapo-global-normaliser", "grpo-rows-normaliser", "bnpo-per-rank-batches"],
+    "loss_type,reference_procs,accumulation",
+    [("dapo", 1, 1), ("grpo", 1, 1), ("bnpo", 2, 1), ("grpo", 1, 2)],
+    ids=["dapo-global-normaliser", "grpo-rows-normaliser", "bnpo-per-rank-batches", "grpo-accumulation-2"],
 )
-def test_two_process_gradients_equal_stock_trl(tmp_path, model_dir, loss_type, reference_procs):
-    tree = run(tmp_path, model_dir, loss_type, "tree", 2)
-    stock = run(tmp_path, model_dir, loss_type, "stock", reference_procs)
+def test_two_process_gradients_equal_stock_trl(tmp_path, model_dir, loss_type, reference_procs, accumulation):
+    tree = run(tmp_path, model_dir, loss_type, "tree", 2, accumulation)
+    stock = run(tmp_path, model_dir, loss_type, "stock", reference_procs, accumulation)
     for step in range(2):
         for rank in range(2):  # gradients are synchronised: every rank holds the global gradient
             assert max_rel_diff(tree[rank]["grads"][step], stock[0]["grads"][step]) <= TOL

@@ -9,7 +9,8 @@ from grpo_setup import GradRecorder, ScriptedGenerationMixin, ScriptedGRPOTraine
 from trl import GRPOConfig
 
 from conftest import max_rel_diff
-from trl_dta import TreePPOConfig, TreePPOTrainer
+from trl_dta import PrefixTrie, TreePPOConfig, TreePPOTrainer
+from trl_dta.losses import LOSS_TYPES
 
 TreeScripted = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
 TOL = 1e-4  # per tensor max|diff| / max|reference|, fp32
@@ -23,10 +24,11 @@ def model_dir(tmp_path_factory):
     return str(path)
 
 
-def train(trainer_cls, config_cls, model, tmp_path, peft_config=None, **overrides):
+def train(trainer_cls, config_cls, model, tmp_path, peft_config=None, num_prompts=2, **overrides):
     recorder = GradRecorder()
     config = make_config(tmp_path / trainer_cls.__name__, config_cls=config_cls, **overrides)
-    trainer = make_trainer(trainer_cls, config, model=model, callbacks=[recorder], peft_config=peft_config)
+    trainer = make_trainer(trainer_cls, config, model=model, callbacks=[recorder], peft_config=peft_config,
+                           num_prompts=num_prompts)  # fmt: skip
     trainer.train()
     return trainer, recorder.grads
 
@@ -34,6 +36,7 @@ def train(trainer_cls, config_cls, model, tmp_path, peft_config=None, **override
 def assert_same_gradients(tmp_path, model, peft_config=None, **overrides):
     stock, ref = train(ScriptedGRPOTrainer, GRPOConfig, model, tmp_path, peft_config, **overrides)
     tree, got = train(TreeScripted, TreePPOConfig, model, tmp_path, peft_config, **overrides)
+    assert tree._tree_pending == {}  # every walked micro-batch was served
     assert len(ref) == len(got) == overrides.get("max_steps", 2)
     for step, (g, r) in enumerate(zip(got, ref)):
         assert max_rel_diff(g, r) <= TOL, f"step {step}"
@@ -44,7 +47,7 @@ def assert_same_gradients(tmp_path, model, peft_config=None, **overrides):
 MOVING = dict(learning_rate=2.0, max_steps=2, num_iterations=2)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_gradients_equal_stock_trl_for_each_loss_type(tmp_path, model_dir, loss_type):
     stock_logs, tree_logs = assert_same_gradients(tmp_path, model_dir, loss_type=loss_type, **MOVING)
     if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
@@ -138,3 +141,85 @@ def test_multimodal_batch_is_refused(tmp_path, model_dir):
     inputs = {"pixel_values": torch.zeros(1, 3, 4, 4), "prompt_ids": torch.ones(1, 3, dtype=torch.long)}
     with pytest.raises(ValueError, match="multimodal inputs \\(pixel_values\\)"):
         trainer.compute_loss(trainer.model, inputs)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Gradient accumulation: one trie per optimizer step, across TRL's shuffled micro-batches
+# ------------------------------------------------------------------------------------------------------------
+GA4 = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4)  # a group of 4 over 4 micro-batches
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_step_walk_with_gradient_accumulation_equals_stock_trl(tmp_path, model_dir, loss_type):
+    stock_logs, tree_logs = assert_same_gradients(tmp_path, model_dir, loss_type=loss_type, **MOVING, **GA4)
+    if loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        assert stock_logs[1]["clip_ratio/region_mean"] > 0
+    for key in ("loss", "entropy", "reward"):
+        assert tree_logs[0][key] == pytest.approx(stock_logs[0][key], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(top_entropy_quantile=0.5, loss_type="bnpo"),
+        dict(entropy_coef=0.01, use_adaptive_entropy=True, entropy_target=0.1),
+        dict(steps_per_generation=8, max_steps=3, num_prompts=4),  # 2 optimizer steps per generation
+    ],
+    ids=["bnpo-entropy-quantile", "adaptive-entropy-bonus", "steps-per-generation-8"],
+)
+def test_step_walk_options_equal_stock_trl(tmp_path, model_dir, options):
+    assert_same_gradients(tmp_path, model_dir, **{**MOVING, **GA4, **options})
+
+
+def test_step_walk_lora_kl_equals_stock_trl(tmp_path, model_dir):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    assert_same_gradients(tmp_path, model_dir, peft_config=lora, beta=0.04, **MOVING, **GA4)
+
+
+def test_one_walk_per_optimizer_step_forwards_each_unique_token_once(tmp_path, model_dir):
+    """With gradient accumulation 4, the step's tokens through the embeddings are the unique tokens of ONE
+    trie over all 4 micro-batches (a trie per micro-batch would forward the shared prompt 4 times), and the
+    LM head scores only completion positions, each (context, target) pair once."""
+    config = make_config(tmp_path, config_cls=TreePPOConfig, num_iterations=1, max_steps=1, **GA4)
+    trainer = make_trainer(TreeScripted, config, model=model_dir)
+    model = trainer.model
+    trainer._executor(model)  # built (and probed) before counting
+    embedded, head_rows = [], []
+    hooks = [
+        model.get_input_embeddings().register_forward_hook(lambda m, a, o: embedded.append(a[0].numel())),
+        model.get_output_embeddings().register_forward_hook(lambda m, a, o: head_rows.append(a[0].shape[:-1].numel())),
+    ]  # fmt: skip
+    trainer.train()
+    for h in hooks:
+        h.remove()
+    rows = []
+    for inputs in trainer.step_inputs:
+        rows += [r for r in TreePPOTrainer._rows(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+                                                 inputs["completion_mask"]) if r is not None]  # fmt: skip
+    step_trie = PrefixTrie.from_sequences([seq for seq, _ in rows])
+    per_micro_batch = sum(
+        PrefixTrie.from_sequences(
+            [r[0] for r in TreePPOTrainer._rows(b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
+                                                b["completion_mask"]) if r is not None]  # fmt: skip
+        ).num_unique_tokens
+        for b in trainer.step_inputs
+    )
+    assert len(trainer.step_inputs) == 4
+    assert sum(embedded) == step_trie.num_unique_tokens < per_micro_batch
+    scored = {tuple(seq[: t + 2]) for seq, plen in rows for t in range(plen - 1, len(seq) - 1)}
+    assert sum(head_rows) == len(scored)
+    assert trainer.state.log_history[0]["tree/unique_tokens"] == step_trie.num_unique_tokens
+
+
+def test_lexicographic_steps_keep_groups_in_one_optimizer_step(tmp_path, model_dir):
+    """Opt-in: with 2 optimizer steps per generation, each step gets whole groups (2 of the 4 prompts), and
+    its gradients are still exactly TRL's dense loss on those micro-batches (the self-check, tolerance 1e-4)."""
+    options = dict(steps_per_generation=8, tree_lexicographic_steps=True, tree_check_gradients=True,
+                   tree_check_tolerance=1e-4, **MOVING, **GA4)  # fmt: skip
+    trainer, _ = train(TreeScripted, TreePPOConfig, model_dir, tmp_path, num_prompts=4, **options)
+    prompts = [{tuple(r.tolist()) for r in b["prompt_ids"]} for b in trainer.step_inputs]
+    assert len(prompts[0] | prompts[1] | prompts[2] | prompts[3]) == 2  # step 1: two whole groups
+    assert len(prompts[4] | prompts[5] | prompts[6] | prompts[7]) == 2
+    assert trainer.state.log_history[0]["tree/check_error"] <= 1e-4

@@ -17,12 +17,22 @@ class TreePPOConfig(GRPOConfig):
             segment. Longer paths use chunked backward (blocks forwarded without a graph are recomputed
             when popped). Larger is faster and uses more activation memory.
         tree_batch_tokens (`int` or `None`, defaults to `None`):
-            Budget (rows x longest row, padding included) for forwarding sibling leaves together on their
-            shared prefix. `None` uses `tree_block_size`; 0 forwards one leaf per call.
+            Budget for forwarding sibling leaves together on their shared prefix: their total tokens (they
+            are packed into one row with a block-diagonal causal mask on eager/sdpa attention), or rows x
+            longest row where they are padded into a batch. `None` uses `tree_block_size`; 0 forwards one
+            leaf per call.
+        tree_lexicographic_steps (`bool`, defaults to `False`):
+            Opt-in. Instead of TRL's random shuffle, order each generation batch lexicographically (rows that
+            share a prefix become neighbours) and cut it into micro-batches in that order, so each optimizer
+            step gets a contiguous run: GRPO groups and shared turns stay in one step's trie. This changes
+            which rows form each mini-batch (whole groups per step, rather than a random mix) and each
+            micro-batch; with `steps_per_generation == gradient_accumulation_steps` (TRL's default) every
+            optimizer step already walks the whole generation batch, and only micro-batch statistics
+            (bnpo, `top_entropy_quantile`, the entropy bonus) are affected.
         tree_check_gradients (`bool`, defaults to `False`):
-            On the first training step, also compute the micro-batch's gradients the dense TRL way and raise
-            if the tree walk's gradients differ (relative tolerance `tree_check_tolerance`). Costs one dense
-            forward/backward, once.
+            On the first optimizer step, also compute its gradients the dense TRL way (each of its
+            micro-batches) and raise if the tree walk's gradients differ (relative tolerance
+            `tree_check_tolerance`). Costs one dense forward/backward of a step, once.
         tree_check_tolerance (`float`, defaults to 1e-3):
             Largest allowed per-tensor ``max|tree - dense| / max|dense|`` for `tree_check_gradients`.
 
@@ -34,7 +44,11 @@ class TreePPOConfig(GRPOConfig):
 
     tree_block_size: int = field(default=2048, metadata={"help": "Tokens with a kept graph on the walk's stack."})
     tree_batch_tokens: int | None = field(
-        default=None, metadata={"help": "Padded-token budget for batching sibling leaves (None: tree_block_size)."}
+        default=None, metadata={"help": "Token budget for batching sibling leaves (None: tree_block_size)."}
+    )
+    tree_lexicographic_steps: bool = field(
+        default=False,
+        metadata={"help": "Give each optimizer step a contiguous lexicographic run of the generation batch."},
     )
     tree_check_gradients: bool = field(
         default=False, metadata={"help": "Compare the first step's gradients with the dense path; raise if off."}

@@ -85,8 +85,9 @@ class TreeExecutor:
         block_size: most tokens forwarded with an autograd graph kept on the stack, and longest segment. Paths
             longer than that are walked with chunked backward (blocks forwarded without a graph, recomputed
             with one when popped); logits are never computed for more than a block (or a leaf batch) at once.
-        batch_tokens: budget (rows x longest row, padding included) for forwarding sibling leaves together in
-            one call on their shared prefix. ``None`` means ``block_size``; 0 forwards one leaf per call.
+        batch_tokens: budget for forwarding sibling leaves together in one call on their shared prefix: their
+            total tokens when packed, rows x longest row when padded. ``None`` means ``block_size``; 0
+            forwards one leaf per call.
         lm_head_fp32: compute the LM head projection in float32 (TRL's ``cast_lm_head_to_fp32``).
         pack_leaves: forward a batch of sibling leaves as one packed row with a block-diagonal causal mask
             (no padding, the shared past not replicated per leaf) where the attention backend takes a custom
@@ -195,7 +196,7 @@ class TreeExecutor:
         self._seq_from, self._node_from = self._first_scored(trie, score_from)
         try:
             with self.lm.no_gradient_checkpointing():
-                for step in build_plan(trie, self.block_size, self.batch_tokens):
+                for step in build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves):
                     if isinstance(step, Push):
                         with_graph = grad and step.keep_graph
                         frame = self._push(trie, step.segment, stack, temperature, entropies, with_graph)

@@ -21,8 +21,9 @@ Rules:
   shares). The others are recomputed at pop. With ``block_size`` at least the longest path, every token
   is forwarded exactly once.
 * Sibling leaves (leaf children of the same node, at most ``block_size`` long) are batched in walk order
-  (shortest first, so little padding) while ``rows x longest row <= batch_tokens``; ``batch_tokens=0``
-  forwards one leaf per call.
+  while the batch's cost stays within ``batch_tokens``: the sum of their lengths when the executor packs
+  them into one row (``packed``), ``rows x longest row`` when it pads them into a batch (walk order is
+  shortest first, so padding stays small). ``batch_tokens=0`` forwards one leaf per call.
 * Children are visited in :meth:`PrefixTrie.walk_children` order.
 """
 
@@ -57,10 +58,6 @@ class Push:
 class Leaves:
     segments: tuple[Segment, ...]
 
-    @property
-    def padded_tokens(self) -> int:
-        return len(self.segments) * max(s.num_tokens for s in self.segments)
-
 
 @dataclass(frozen=True)
 class Pop:
@@ -76,6 +73,7 @@ class _Builder:
     trie: PrefixTrie
     block_size: int
     batch_tokens: int
+    packed: bool
     steps: list[Step] = field(default_factory=list)
     graph_tokens: int = 0  # tokens with a kept graph currently on the stack
 
@@ -104,13 +102,16 @@ class _Builder:
             self.steps.append(Leaves(tuple(batch)))
             batch.clear()
 
+    def _cost(self, batch: list[Segment]) -> int:
+        lengths = [s.num_tokens for s in batch]
+        return sum(lengths) if self.packed else len(lengths) * max(lengths)
+
     def visit_children(self, node: TrieNode) -> None:
         batch: list[Segment] = []
         for child in self.trie.walk_children(node):
             if child.is_leaf and child.num_tokens <= self.block_size:
                 segment = self._pieces(child)[0]
-                rows, longest = len(batch) + 1, max([s.num_tokens for s in batch] + [segment.num_tokens])
-                if batch and rows * longest > self.batch_tokens:
+                if batch and self._cost(batch + [segment]) > self.batch_tokens:
                     self._flush(batch)
                 batch.append(segment)
                 continue
@@ -131,12 +132,13 @@ class _Builder:
             self._pop(push)
 
 
-def build_plan(trie: PrefixTrie, block_size: int, batch_tokens: int) -> list[Step]:
-    """The list of steps that walks ``trie`` (see the module docstring for the rules)."""
+def build_plan(trie: PrefixTrie, block_size: int, batch_tokens: int, packed: bool = False) -> list[Step]:
+    """The list of steps that walks ``trie`` (see the module docstring for the rules); ``packed``: sibling
+    leaves are forwarded packed into one row (their budget counts their tokens, not padded rows)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if batch_tokens < 0:
         raise ValueError(f"batch_tokens must be >= 0, got {batch_tokens}")
-    builder = _Builder(trie, block_size, batch_tokens)
+    builder = _Builder(trie, block_size, batch_tokens, packed)
     builder.visit_children(trie.root)
     return builder.steps

@@ -1,34 +1,37 @@
 """TreePPOTrainer: TRL's GRPOTrainer with the policy forward/backward replaced by a prefix-trie walk.
 
-Everything else is TRL's own: generation (tools and environments included), rewards, advantages,
-gradient accumulation, logging, checkpointing, saving. Two methods change:
+Everything else is TRL's own: generation (tools and environments included), rewards, advantages, the
+shuffle of each generation batch into micro-batches, gradient accumulation, logging, checkpointing,
+saving. What changes:
 
-* ``_get_per_token_logps_and_entropies`` (TRL's no-grad log-prob passes: old-policy and reference
-  log-probs) runs :meth:`TreeExecutor.logprobs` on the rows' prefix trie instead of padded dense batches.
-* ``compute_loss`` walks the micro-batch's trie with :meth:`TreeExecutor.backward`, each row's loss being
-  :class:`~trl_dta.losses.RowLoss` (TRL's loss, written per row), so the gradients land in ``.grad``
-  during the walk. TRL's ``_compute_loss`` then runs once on the walk's (detached) log-probs: it logs
-  exactly TRL's metrics, advances TRL's adaptive-entropy state, and its loss value must equal the sum of
-  the row losses (checked). The returned loss is that value on a fresh graph leaf, so the ``backward`` the
-  Trainer calls next adds nothing to the parameters.
-
-Rows keep TRL's micro-batch composition (no reordering across micro-batches), so options whose statistics
-are per micro-batch (bnpo, ``top_entropy_quantile``, entropy bonus) keep their meaning.
+* ``compute_loss``: at the first micro-batch of each optimizer step, the rows of *all* the step's
+  micro-batches (TRL's buffered, shuffled micro-batches) go into one prefix trie, walked once by
+  :meth:`TreeExecutor.backward`; each row's loss is :class:`~trl_dta.losses.RowLoss` with the constants of
+  the micro-batch TRL put it in, so the accumulated gradient is exactly TRL's, for every loss type. The
+  gradients land in ``.grad`` during the walk. Each micro-batch's ``compute_loss`` then runs TRL's
+  ``_compute_loss`` on that micro-batch's (detached) walk values: it logs TRL's metrics, advances TRL's
+  adaptive-entropy state, and its loss must equal the sum of the micro-batch's row losses (checked). The
+  returned loss is that value on a fresh graph leaf, so the Trainer's ``backward`` adds nothing.
+* ``_get_per_token_logps_and_entropies`` (TRL's no-grad passes: old-policy and reference log-probs, over
+  the whole generation batch) runs :meth:`TreeExecutor.logprobs` on one trie of the batch.
+* The LM head runs only on completion positions (``score_from``), as TRL's ``logits_to_keep`` does.
 """
 
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import DistributedType
 from trl import GRPOTrainer
+from trl.trainer.utils import split_tensor_dict
 
 from . import distributed
 from .config import TreePPOConfig
 from .executor import TreeExecutor
+from .gradient_check import GradientCheck
 from .losses import LossSettings, RowLoss
 from .router_loss import load_balancing_loss, node_weights
 from .trie import PrefixTrie
@@ -37,14 +40,44 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatia
                "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
 
 
-class TreePPOTrainer(GRPOTrainer):
-    """A drop-in replacement for ``trl.GRPOTrainer`` (same arguments) that trains on a prefix trie of each
-    micro-batch's rollouts: shared prefixes are forwarded and backpropagated once, with exactly the dense
-    gradients. Takes a :class:`~trl_dta.TreePPOConfig` (a plain ``GRPOConfig`` is accepted and gets the
-    tree options' defaults)."""
+@dataclass
+class _Walked:
+    """One micro-batch's share of a walk: TRL-shaped (B, T) log-probs and entropies (detached), the MoE aux
+    value, and the sum of its row losses (plus the aux term) with the sum of their magnitudes."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    logps: torch.Tensor
+    entropies: torch.Tensor
+    aux: torch.Tensor | None
+    total: float
+    magnitude: float
+
+
+class TreePPOTrainer(GRPOTrainer):
+    """A drop-in replacement for ``trl.GRPOTrainer`` (same arguments) that trains on one prefix trie of each
+    optimizer step's rollouts: shared prefixes are forwarded and backpropagated once, with exactly the
+    dense gradients.
+
+    Example::
+
+        from trl_dta import TreePPOConfig, TreePPOTrainer
+
+        args = TreePPOConfig(output_dir="out", num_generations=8, gradient_accumulation_steps=4)
+        trainer = TreePPOTrainer(model="Qwen/Qwen3-0.6B", reward_funcs=reward_fn, args=args,
+                                 train_dataset=dataset)
+        trainer.train()
+
+    Args: those of ``GRPOTrainer``. ``args`` should be a :class:`~trl_dta.TreePPOConfig` (a plain
+    ``GRPOConfig`` gets the tree options' defaults; ``None`` makes a ``TreePPOConfig``).
+    """
+
+    _tag_names = ["trl", "grpo", "trl-dta", "tree-ppo"]
+    _name = "TreePPO"
+
+    def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            args = TreePPOConfig(f"{name.split('/')[-1]}-TreePPO")
+        super().__init__(model, reward_funcs, args, *rest, **kwargs)
         a = self.args
         self._tree_options = {
             "block_size": getattr(a, "tree_block_size", TreePPOConfig.tree_block_size),
@@ -55,6 +88,11 @@ class TreePPOTrainer(GRPOTrainer):
         self._tree_check_tolerance = getattr(a, "tree_check_tolerance", TreePPOConfig.tree_check_tolerance)
         self._executors: dict[int, TreeExecutor] = {}
         self._tree_detached = None  # (logps, entropies, aux) served to TRL's _compute_loss for its metrics
+        self._tree_dense_passes = False  # True while tree_check_gradients runs TRL's dense loss
+        self._tree_pending: dict[int, _Walked] = {}  # walked micro-batches of this step, by buffer index
+        self._tree_position = 0  # micro-batches of the current optimizer step served so far
+        self._tree_lexicographic = getattr(a, "tree_lexicographic_steps", False)
+        self._tree_ordered = None  # the buffered micro-batches last put in lexicographic order
         self._loss_settings = LossSettings.from_trainer(self)
         if a.fp16:
             raise ValueError("fp16 mixed precision (gradient scaling) is not supported by the tree walk; use bf16.")
@@ -70,7 +108,7 @@ class TreePPOTrainer(GRPOTrainer):
         self._multi_process = self.accelerator.num_processes > 1
         if self._multi_process and self._tree_check:
             raise ValueError("tree_check_gradients runs on a single process only.")
-        # Re-partition the global batch along the DFS order, unless the loss has per-micro-batch statistics
+        # Re-partition the global batch in lexicographic runs, unless the loss has per-micro-batch statistics
         # (bnpo, top_entropy_quantile, entropy bonus): those keep TRL's per-rank batches.
         self._repartition = self._multi_process and not (
             self.loss_type == "bnpo" or self.top_entropy_quantile < 1.0 or self._entropy_bonus_enabled
@@ -104,12 +142,7 @@ class TreePPOTrainer(GRPOTrainer):
             rows.append((torch.cat([prompt, c_ids[:length]]).tolist(), prompt.numel()))
         return rows
 
-    @staticmethod
-    def _trie(rows):
-        kept = [i for i, r in enumerate(rows) if r is not None]
-        return (PrefixTrie.from_sequences([rows[i][0] for i in kept]) if kept else None), kept
-
-    # ------------------------------------------------------------------ multi-process: DFS re-partition
+    # ------------------------------------------------------------------ multi-process: re-partition
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self._repartition and self.model.training:
@@ -117,11 +150,45 @@ class TreePPOTrainer(GRPOTrainer):
             self._metrics["train"]["tree/rank_rows"].append(info["rows"])
         return output
 
+    # ------------------------------------------------------------------ opt-in: lexicographic steps
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        if self._tree_lexicographic and self.model.training and self._buffered_inputs is not self._tree_ordered:
+            self._buffered_inputs = self._tree_ordered = self._lexicographic(self._buffered_inputs)
+            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return inputs
+
+    def _lexicographic(self, micro_batches: list[dict]) -> list[dict]:
+        """TRL's shuffled micro-batches of a generation batch, re-cut in lexicographic order of the rows."""
+        merged = {}
+        for key, first in micro_batches[0].items():
+            values = [b[key] for b in micro_batches]
+            if isinstance(first, torch.Tensor) and first.ndim > 0:
+                merged[key] = torch.cat(values)
+            elif isinstance(first, list):
+                merged[key] = [x for v in values for x in v]
+            else:  # scalars (num_items_in_batch) and None: the same in every micro-batch
+                merged[key] = first
+        seqs = distributed.partition_sequences(merged)
+        order = sorted(range(len(seqs)), key=seqs.__getitem__)
+        index = torch.tensor(order, device=merged["prompt_ids"].device)
+        for key, value in merged.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                merged[key] = value.index_select(0, index.to(value.device))
+            elif isinstance(value, list):
+                merged[key] = [value[i] for i in order]
+        return split_tensor_dict(merged, len(micro_batches))
+
     # ------------------------------------------------------------------ TRL's no-grad log-prob passes
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **multimodal,
     ):  # fmt: skip
+        if self._tree_dense_passes:
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal,
+            )  # fmt: skip
         if self._tree_detached is not None:  # TRL's _compute_loss, run for its metrics on the walk's values
             return self._tree_detached
         if any(multimodal.get(k) is not None for k in _MULTIMODAL):
@@ -129,35 +196,83 @@ class TreePPOTrainer(GRPOTrainer):
         if torch.is_grad_enabled():
             raise RuntimeError("TreePPOTrainer computes gradients through the tree walk, not the dense path.")
         prompt_len = input_ids.shape[1] - logits_to_keep
-        rows = self._rows(input_ids[:, :prompt_len], attention_mask[:, :prompt_len],
-                          input_ids[:, prompt_len:], attention_mask[:, prompt_len:])  # fmt: skip
+        batch = {"prompt_ids": input_ids[:, :prompt_len], "prompt_mask": attention_mask[:, :prompt_len],
+                 "completion_ids": input_ids[:, prompt_len:], "completion_mask": attention_mask[:, prompt_len:]}  # fmt: skip
+        trie, owners = self._trie([batch])
         logps = torch.zeros(input_ids.shape[0], logits_to_keep, device=input_ids.device)
         entropies = torch.zeros_like(logps) if compute_entropy else None
-        trie, kept = self._trie(rows)
         if trie is not None:
             with self.accelerator.autocast():
-                out = self._executor(model).logprobs(trie, self.temperature, entropies=compute_entropy)
+                out = self._executor(model).logprobs(
+                    trie, self.temperature, entropies=compute_entropy, score_from=[p - 1 for _, _, p in owners]
+                )
             lps, ents = out if compute_entropy else (out, None)
-            for k, i in enumerate(kept):
-                start = rows[i][1] - 1
-                logps[i, : lps[k].numel() - start] = lps[k][start:]
+            for k, (_, i, _) in enumerate(owners):
+                logps[i, : lps[k].numel()] = lps[k]
                 if compute_entropy:
-                    entropies[i, : ents[k].numel() - start] = ents[k][start:]
+                    entropies[i, : ents[k].numel()] = ents[k]
         return logps, entropies, None
 
+    def _trie(self, batches: list[dict]):
+        """One trie of the rows of ``batches``, and per trie sequence its (batch, row, prompt length)."""
+        seqs, owners = [], []
+        for b, inputs in enumerate(batches):
+            rows = self._rows(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+                              inputs["completion_mask"], keep_prompt_only=self.aux_loss_enabled)  # fmt: skip
+            for i, row in enumerate(rows):
+                if row is not None:
+                    seqs.append(row[0])
+                    owners.append((b, i, row[1]))
+        return (PrefixTrie.from_sequences(seqs) if seqs else None), owners
+
     # ------------------------------------------------------------------ the training loss
-    def _row_loss(self, model, inputs, training: bool) -> RowLoss:
-        """TRL's loss for this micro-batch, per row: the micro-batch constants are settled here."""
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("The TreePPOTrainer does not support returning outputs")
+        multimodal = [k for k in _MULTIMODAL if inputs.get(k) is not None]
+        if multimodal:
+            raise ValueError(f"multimodal inputs ({', '.join(multimodal)}) are not supported by the tree walk.")
+        mode = "train" if self.model.training else "eval"
+        if mode == "train" and torch.is_grad_enabled():
+            walked = self._walked_in_step(model, inputs)
+        else:
+            walked = self._walk(model, [inputs], training=False)[0]
+        loss = self._trl_loss(model, inputs, walked)
+        if mode == "train" and torch.is_grad_enabled():
+            if self._multi_process and self.accelerator.sync_gradients:
+                # the walk ran on the unwrapped module (no DDP hooks): average the accumulated gradients once
+                distributed.all_reduce_gradients([p for p in model.parameters() if p.requires_grad])
+            return torch.zeros((), device=loss.device, requires_grad=True) + loss  # gradients are in .grad
+        return loss
+
+    def _walked_in_step(self, model, inputs) -> _Walked:
+        """This micro-batch's share of the walk of its optimizer step: at the step's first micro-batch, walk
+        every micro-batch of the step that TRL has buffered (a step that runs past the end of a generation
+        batch is walked in two parts), then serve the results one micro-batch at a time."""
+        index = self._step % self.args.steps_per_generation
+        buffered = self._buffered_inputs
+        if buffered is None or index >= len(buffered) or buffered[index] is not inputs:
+            raise RuntimeError("TreePPOTrainer walks TRL's buffered micro-batches; _prepare_inputs returned another.")
+        if index not in self._tree_pending:
+            remaining = self.current_gradient_accumulation_steps - self._tree_position
+            group = buffered[index : index + remaining]
+            check = None
+            if self._tree_check:
+                check = GradientCheck(self, model, group, self._tree_check_tolerance)
+            walked = self._walk(model, group, training=True)
+            self._tree_pending = dict(zip(range(index, index + len(group)), walked, strict=True))
+            if check is not None:
+                self._metrics["train"]["tree/check_error"].append(check.finish())
+                self._tree_check = False
+        self._tree_position = 0 if self.accelerator.sync_gradients else self._tree_position + 1
+        return self._tree_pending.pop(index)
+
+    def _row_loss(self, inputs, training: bool, entropies: torch.Tensor | None) -> RowLoss:
+        """TRL's loss for one micro-batch, per row: the micro-batch constants are settled here."""
         mask = inputs["completion_mask"]
         mask = mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
         entropy_mask = None
-        if self.top_entropy_quantile < 1.0:  # couples rows: the whole micro-batch's entropies come first
-            with torch.no_grad():
-                _, entropies, _ = self._get_per_token_logps_and_entropies(
-                    model, torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1),
-                    torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1),
-                    inputs["completion_ids"].shape[1], compute_entropy=True,
-                )  # fmt: skip
+        if self.top_entropy_quantile < 1.0:  # couples the micro-batch's rows: its entropies come first
             entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
         entropy_coef = 0.0
         if self._entropy_bonus_enabled:  # TRL applies the coefficient set at the end of the previous step
@@ -168,85 +283,100 @@ class TreePPOTrainer(GRPOTrainer):
         rows = self.args.per_device_train_batch_size if (self._repartition and training) else None
         return RowLoss(self._loss_settings, inputs, accumulation, entropy_mask, entropy_coef, training, rows)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if return_outputs:
-            raise ValueError("The TreePPOTrainer does not support returning outputs")
-        multimodal = [k for k in _MULTIMODAL if inputs.get(k) is not None]
-        if multimodal:
-            raise ValueError(f"multimodal inputs ({', '.join(multimodal)}) are not supported by the tree walk.")
-        mode = "train" if self.model.training else "eval"
-        training = mode == "train" and torch.is_grad_enabled()
-        rows = self._rows(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
-                          inputs["completion_mask"], keep_prompt_only=self.aux_loss_enabled)  # fmt: skip
-        trie, kept = self._trie(rows)
-        row_loss = self._row_loss(model, inputs, mode == "train")
+    def _walk(self, model, batches: list[dict], training: bool) -> list[_Walked]:
+        """Walk one trie of the rows of ``batches`` (backward in training, log-probs in evaluation), each row
+        with its own micro-batch's loss; return each micro-batch's share."""
+        started = time.perf_counter()
+        trie, owners = self._trie(batches)
+        shapes = [b["completion_ids"].shape for b in batches]
+        device = batches[0]["completion_ids"].device
+        logps = [torch.zeros(s, device=device) for s in shapes]
+        entropies = [torch.zeros(s, device=device) for s in shapes]
+        totals = [[] for _ in batches]
+        magnitudes = [[] for _ in batches]
+        auxes = [None] * len(batches)
+        score_from = [p - 1 for _, _, p in owners]  # the completion's log-probs: positions after the prompt
+        executor = self._executor(model) if trie is not None else None
 
-        # the walk's values, padded like TRL's (B, T) tensors, for TRL's metrics
-        logps = torch.zeros(inputs["completion_ids"].shape, device=inputs["completion_ids"].device)
-        entropies = torch.zeros_like(logps)
-        magnitudes = []
+        quantile = None
+        if self.top_entropy_quantile < 1.0 and trie is not None:  # one no-grad pass for every micro-batch
+            quantile = [torch.zeros(s, device=device) for s in shapes]
+            with torch.no_grad(), self.accelerator.autocast():
+                _, ents = executor.logprobs(trie, self.temperature, entropies=True, score_from=score_from)
+            for (b, i, _), ent in zip(owners, ents, strict=True):
+                quantile[b][i, : ent.numel()] = ent
+        row_losses = [
+            self._row_loss(inputs, training, None if quantile is None else quantile[b])
+            for b, inputs in enumerate(batches)
+        ]
 
         def loss_fn(index, lp, ent):
-            i = kept[index]
-            start = rows[i][1] - 1  # the completion's log-probs: positions after the prompt
-            n = lp.numel() - start
+            b, i, _ = owners[index]
+            n = lp.numel()
             if n == 0:  # a prompt-only row, kept for the MoE load-balancing loss: no policy loss
                 return lp.new_zeros(())
-            logps[i, :n], entropies[i, :n] = lp[start:].detach(), ent[start:].detach()
-            loss = row_loss(i, lp[start:], ent[start:])
-            magnitudes.append(loss.detach().abs())
+            logps[b][i, :n], entropies[b][i, :n] = lp.detach(), ent.detach()
+            loss = row_losses[b](i, lp, ent)
+            totals[b].append(loss.detach())
+            magnitudes[b].append(loss.detach().abs())
             return loss
 
-        dense_grads = self._dense_gradients(model, inputs) if (self._tree_check and training) else None
-        started = time.perf_counter()
-        row_total, aux, router_grad = 0.0, None, None
         if trie is not None:
-            executor = self._executor(model)
             with self.accelerator.autocast():
-                if self.aux_loss_enabled:  # MoE: TRL's load-balancing loss, exactly (see trl_dta/router_loss.py)
-                    weights = node_weights(trie, range(len(trie)))
-                    aux, v = load_balancing_loss(executor.router_stats(trie), weights, executor.lm.num_experts)
-                    accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
-                    scale = self.router_aux_loss_coef / accumulation
-                    router_grad = {node: scale * x for node, x in v.items()}
-                    row_total += scale * float(aux)
+                router_grad = None
+                if self.aux_loss_enabled:  # MoE: TRL's load-balancing loss, exactly (trl_dta/router_loss.py)
+                    router_grad = self._router_grad(executor, trie, owners, len(batches), training, auxes, totals)
                 if training:
-                    row_total += executor.backward(
-                        trie, loss_fn, self.temperature, entropies=True, router_grad=router_grad
+                    executor.backward(
+                        trie, loss_fn, self.temperature, entropies=True, router_grad=router_grad, score_from=score_from
                     )
                 else:
-                    lps, ents = executor.logprobs(trie, self.temperature, entropies=True)
-                    row_total += sum(
-                        float(loss_fn(k, lp, ent)) for k, (lp, ent) in enumerate(zip(lps, ents, strict=True))
-                    )
-        elapsed = time.perf_counter() - started
-        if training and self._multi_process and self.accelerator.sync_gradients:
-            # the walk ran on the unwrapped module (no DDP hooks): average the accumulated gradients once
-            distributed.all_reduce_gradients([p for p in model.parameters() if p.requires_grad])
-        if dense_grads is not None:
-            self._compare_with_dense(dense_grads)
-            self._tree_check = False
-
-        if self.aux_loss_enabled and aux is None:  # nothing to walk: TRL still reads an aux value
-            aux = torch.zeros((), device=logps.device)
-        with self._serve_detached(logps, entropies, aux):
-            loss = GRPOTrainer._compute_loss(self, model, inputs).detach()  # TRL's metrics and state
-        if row_loss.rows != inputs["completion_mask"].shape[0]:  # TRL's value counts zero-weight padding rows
-            loss = torch.tensor(row_total, device=loss.device, dtype=loss.dtype)
-        magnitude = float(torch.stack(magnitudes).sum()) if magnitudes else 0.0
-        if abs(float(loss) - row_total) > 1e-4 * magnitude + 1e-7:  # fp32 rounding of a sum of terms
-            raise RuntimeError(
-                f"TRL's loss on the walk's log-probs ({float(loss):.8g}) differs from the sum of the per-row losses "
-                f"({row_total:.8g}): trl_dta's RowLoss no longer mirrors this TRL version's loss."
-            )
-        if trie is not None:
-            metrics = self._metrics[mode]
+                    lps, ents = executor.logprobs(trie, self.temperature, entropies=True, score_from=score_from)
+                    for k, (lp, ent) in enumerate(zip(lps, ents, strict=True)):
+                        loss_fn(k, lp, ent)
+            metrics = self._metrics["train" if training else "eval"]
             metrics["tree/tokens"].append(float(trie.num_tokens))
             metrics["tree/unique_tokens"].append(float(trie.num_unique_tokens))
             metrics["tree/dedup_ratio"].append(trie.dedup_ratio)
-            metrics["tree/time"].append(elapsed)
-        if training:  # the gradients are already in .grad: the Trainer's backward on a fresh leaf adds none
-            return torch.zeros((), device=loss.device, requires_grad=True) + loss
+            metrics["tree/time"].append(time.perf_counter() - started)
+        if self.aux_loss_enabled:
+            auxes = [torch.zeros((), device=device) if a is None else a for a in auxes]
+        return [
+            _Walked(lp, ent, aux, float(sum(t.double() for t in tot)), float(sum(m.double() for m in mag)))
+            for lp, ent, aux, tot, mag in zip(logps, entropies, auxes, totals, magnitudes, strict=True)
+        ]
+
+    def _router_grad(self, executor, trie, owners, num_batches, training, auxes, totals):
+        """Each micro-batch's load-balancing loss (into ``auxes``, its scaled value into ``totals``) and the
+        summed per-node vectors the walk backpropagates."""
+        stats = executor.router_stats(trie)
+        scale = self.router_aux_loss_coef / (self.current_gradient_accumulation_steps if training else 1)
+        router_grad = {}
+        for b in range(num_batches):
+            weights = node_weights(trie, [k for k, owner in enumerate(owners) if owner[0] == b])
+            if not weights:
+                continue
+            auxes[b], v = load_balancing_loss(stats, weights, executor.lm.num_experts)
+            totals[b].append(scale * auxes[b].double())
+            for node, x in v.items():
+                router_grad[node] = router_grad.get(node, 0) + scale * x
+        return router_grad
+
+    def _trl_loss(self, model, inputs, walked: _Walked) -> torch.Tensor:
+        """TRL's own loss of the micro-batch on the walk's values (its metrics and state), checked against the
+        walk's row losses: a guard against TRL changing its loss under ``RowLoss``."""
+        with self._serve_detached(walked.logps, walked.entropies, walked.aux):
+            loss = GRPOTrainer._compute_loss(self, model, inputs).detach()
+        rows = inputs["completion_mask"].shape[0]
+        if self._repartition and self.model.training and rows != self.args.per_device_train_batch_size:
+            # zero-weight padding rows make TRL's row-counting normalisers differ from the configured ones:
+            # the objective is the row losses' (see distributed.py), so that is the value returned
+            return torch.tensor(walked.total, device=loss.device, dtype=loss.dtype)
+        if abs(float(loss) - walked.total) > 1e-4 * walked.magnitude + 1e-7:  # fp32 rounding of a sum of terms
+            raise RuntimeError(
+                f"TRL's loss on the walk's log-probs ({float(loss):.8g}) differs from the sum of the per-row losses "
+                f"({walked.total:.8g}): trl_dta's RowLoss no longer mirrors this TRL version's loss."
+            )
         return loss
 
     @contextmanager
@@ -256,52 +386,3 @@ class TreePPOTrainer(GRPOTrainer):
             yield
         finally:
             self._tree_detached = None
-
-    # ------------------------------------------------------------------ optional self-check
-    def _dense_gradients(self, model, inputs):
-        """The micro-batch's gradients by TRL's dense path (parameters' .grad and TRL's state untouched)."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        saved = [p.grad for p in params]
-        state = (self._metrics, self.entropy_coef, getattr(self, "_entropy_window_stats", None),
-                 getattr(self, "_last_world_entropy", None))  # fmt: skip
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-        try:
-            for p in params:
-                p.grad = None
-            with self._dense_logps():
-                loss = GRPOTrainer._compute_loss(self, model, inputs)
-            loss.backward()
-            dense = [None if p.grad is None else p.grad.detach().clone() for p in params]
-        finally:
-            self._metrics, self.entropy_coef, self._entropy_window_stats, self._last_world_entropy = state
-            for p, g in zip(params, saved):
-                p.grad = g
-        self._check_params = params
-        self._saved_grads = [None if g is None else g.clone() for g in saved]
-        for p in params:
-            p.grad = None
-        return dense
-
-    @contextmanager
-    def _dense_logps(self):
-        self._get_per_token_logps_and_entropies = super()._get_per_token_logps_and_entropies
-        try:
-            yield
-        finally:
-            del self._get_per_token_logps_and_entropies
-
-    def _compare_with_dense(self, dense):
-        refs = [d if d is not None else torch.zeros_like(p) for p, d in zip(self._check_params, dense)]
-        overall = max((r.abs().max().item() for r in refs), default=0.0)
-        worst = 0.0
-        for p, ref, before in zip(self._check_params, refs, self._saved_grads):
-            tree = p.grad if p.grad is not None else torch.zeros_like(p)
-            scale = max(ref.abs().max().item(), 1e-6 * overall, 1e-30)
-            worst = max(worst, (tree - ref).abs().max().item() / scale)
-            if before is not None:
-                p.grad = tree + before
-        if worst > self._tree_check_tolerance:
-            raise RuntimeError(
-                f"tree_check_gradients: the tree walk's gradients differ from the dense path's by {worst:.3e} "
-                f"(relative, worst tensor; tolerance {self._tree_check_tolerance}). Please report this model."
-            )
