@@ -1,5 +1,6 @@
 """The τ²-bench environment (trl_dta.envs): dataset, tools, offline user, reward vs τ²'s own evaluator, and
-one TreePPOTrainer step with `environment_factory` on a tiny model with scripted generation. No LLM, no hub."""
+one TreePPOTrainer step with `environment_factory` on a tiny model with scripted generation. No LLM, no
+hub."""
 
 from __future__ import annotations
 
@@ -148,9 +149,11 @@ def test_dataset_splits_filtering_and_rows():
             has_write = any(a.name in d.write_tools for a in d.tasks[tid].evaluation_criteria.actions or [])
             assert has_write == (tid in set(ds["task_id"]))
     assert (len(train), len(test)) == (68, 37)
-    assert d.write_tools == {"cancel_pending_order", "exchange_delivered_order_items", "modify_pending_order_address",
-                             "modify_pending_order_items", "modify_pending_order_payment", "modify_user_address",
-                             "return_delivered_order_items"}  # fmt: skip
+    assert d.write_tools == {
+        "cancel_pending_order", "exchange_delivered_order_items", "modify_pending_order_address",
+        "modify_pending_order_items", "modify_pending_order_payment", "modify_user_address",
+        "return_delivered_order_items",
+    }  # fmt: skip
     row = train[0]
     assert set(row) >= {"prompt", "task_id", "domain"} and isinstance(row["task_id"], str)
     assert [m["role"] for m in row["prompt"]] == ["system", "user"]
@@ -285,7 +288,8 @@ def test_tool_errors_return_strings_and_never_raise():
     assert env.send_message_to_user().startswith("Error:")
     assert env.send_message_to_user(msg="hi").startswith("Error:")
     assert env.get_reward() >= 0.0 and env.reward_info["num_tool_errors"] == 6
-    # τ²'s max_errors: the 10th failing call ends the episode abnormally (reward 0 even after the gold actions)
+    # τ²'s max_errors (10; 3 here): the last failing call ends the episode abnormally (reward 0 even after the
+    # gold actions)
     env = Tau2Environment(domain="retail", shaping=0.0, max_errors=3)
     env.reset(**_row(EXCHANGE_TASK))
     for _ in range(3):
@@ -298,13 +302,13 @@ def test_tool_errors_return_strings_and_never_raise():
 
 
 def test_domain_classes_pickle_by_reference():
-    """The per-domain class is made by a cached factory, not put in a module's globals: pickle finds it by name
-    through the module's __getattr__, also in a fresh process where it was never made."""
+    """The per-domain class is made by a cached factory, not put in a module's globals: pickle finds it by
+    name through the module's __getattr__, also in a fresh process where it was never made."""
     env = Tau2Environment(domain="mock")
     assert pickle.loads(pickle.dumps(env)).__class__ is type(env)
     env.reset(task_id=next(iter(get_domain("mock").tasks)))
     assert pickle.loads(pickle.dumps(env))._task.id == env._task.id
-    code = "import pickle, sys; cls = pickle.loads(sys.stdin.buffer.read()); print(cls.__name__, cls._tau2_domain)"
+    code = "import pickle, sys; c = pickle.loads(sys.stdin.buffer.read()); print(c.__name__, c._tau2_domain)"
     out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(type(env)), capture_output=True,
                          check=True, timeout=120).stdout  # fmt: skip
     assert out.split() == [b"Tau2MockEnvironment", b"mock"]

@@ -41,7 +41,8 @@ def _split_ids(d: Domain, split: str | None) -> list[str]:
         wanted = set(d.splits[split])
         return [i for i in order if i in wanted]
     if split in ("train", "test"):  # no official split: 80/20 by a hash of the task id
-        train = [i for i in order if int(hashlib.sha256(f"{d.name}:{i}".encode()).hexdigest()[:8], 16) % 100 < 80]  # fmt: skip
+        bucket = {i: int(hashlib.sha256(f"{d.name}:{i}".encode()).hexdigest()[:8], 16) % 100 for i in order}
+        train = [i for i in order if bucket[i] < 80]
         return train if split == "train" else [i for i in order if i not in set(train)]
     raise ValueError(f"Unknown split {split!r} for τ² domain {d.name!r}: expected one of "
                      f"{sorted({'train', 'test', 'all', *d.splits})}.")  # fmt: skip

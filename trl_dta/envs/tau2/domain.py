@@ -20,10 +20,8 @@ from typing import Any
 
 INSTALL_HINT = "pip install 'trl-dta[tau2]'"
 # Domains whose user needs tools of its own (a simulated phone): the offline users cannot play them.
-UNSUPPORTED_DOMAINS = {
-    "telecom": "its user acts on a simulated phone with its own tools, which the offline user cannot do",
-    "telecom-workflow": "its user acts on a simulated phone with its own tools, which the offline user cannot do",
-}
+_PHONE_USER = "its user acts on a simulated phone with its own tools, which the offline user cannot do"
+UNSUPPORTED_DOMAINS = {"telecom": _PHONE_USER, "telecom-workflow": _PHONE_USER}
 
 
 def require_tau2() -> None:

@@ -67,11 +67,12 @@ def environment_class(domain: str) -> type:
     d = get_domain(domain)
     name = _class_name(domain)
     tools = ", ".join(s.name for s in d.tools)
+    doc = f"{Tau2Environment.__doc__}\n    This class exposes the τ² {domain!r} agent tools: {tools}.\n"
     namespace = {
         "__module__": __name__,
         "__qualname__": name,
         "_tau2_domain": domain,
-        "__doc__": f"{Tau2Environment.__doc__}\n    This class exposes the τ² {domain!r} agent tools: {tools}.\n",
+        "__doc__": doc,
     }
     for spec in d.tools:
         if spec.name in _RESERVED or spec.name.startswith("_"):

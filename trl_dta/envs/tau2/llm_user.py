@@ -27,7 +27,7 @@ def _tau2_guidelines() -> str:
 
         path = Path(tau2.__file__).parent / "data" / "tau2" / "user_simulator" / "simulation_guidelines.md"
         return path.read_text(encoding="utf-8")
-    except Exception:  # noqa: BLE001 - tau2 missing or laid out differently: a condensed copy of the same guidelines
+    except Exception:  # noqa: BLE001 - tau2 missing or laid out differently: a condensed copy of them
         return _GUIDELINES_FALLBACK
 
 

@@ -16,8 +16,9 @@ _SUBJECT_BEFORE = {"", "and", "but", "or", "if", "when", "because", "that", "so"
                    "as", "though", "although", "unless", "until", "once", "where", "whether"}  # fmt: skip
 # Words that follow an object "you" ("asks you to", "gave you a", "thank you for"); any other next word is
 # taken for a verb, so "you" is the subject ("realized you might" -> "realized I might").
-_OBJECT_AFTER = {"to", "a", "an", "the", "for", "with", "about", "if", "and", "or", "that", "this", "back", "some",
-                 "any", "up", "in", "on", "at", "from", "by", "as", "so", "but", "when", "again"}  # fmt: skip
+_OBJECT_AFTER = {"to", "a", "an", "the", "for", "with", "about", "if", "and", "or", "that", "this", "back",
+                 "some", "any", "up", "in", "on", "at", "from", "by", "as", "so", "but", "when",
+                 "again"}  # fmt: skip
 _PRONOUN_RE = re.compile(
     r"\b(you are|you were|you're|you've|you'd|you'll|yourself|yours|your|you)\b", re.IGNORECASE
 )
@@ -58,8 +59,10 @@ def _sentences(text: str) -> list[str]:
 
 
 # Sentences of the reason for the call that are instructions to the simulator, not things a customer says.
-_META_RE = re.compile(r"\bagent\b|\breveal|\bmention|\bpretend|\bmake up\b|\bsimulat|\bdo not tell\b|\bdon't tell\b",
-                      re.IGNORECASE)  # fmt: skip
+_META_RE = re.compile(
+    r"\bagent\b|\breveal|\bmention|\bpretend|\bmake up\b|\bsimulat|\bdo not tell\b|\bdon't tell\b",
+    re.IGNORECASE,
+)
 _NAME_RE = re.compile(
     r"(?:[Nn]ame is|[Cc]alled|[Yy]ou are|[Yy]ou're|I am|I'm)\s+([A-Z][a-z]+)(?:\s+([A-Z][a-z]+))?"
 )
@@ -103,8 +106,9 @@ _CONFIRM_RE = re.compile(
     re.IGNORECASE,
 )
 _DONE_RE = re.compile(
-    r"anything else|something else|is there any other|all set|all done|have a (?:great|nice|good|wonderful) day|"
-    r"goodbye|\bbye\b|(?:has|have) been completed|\bis (?:now )?complete\b|\bare (?:now )?complete\b|"
+    r"anything else|something else|is there any other|all set|all done|"
+    r"have a (?:great|nice|good|wonderful) day|goodbye|\bbye\b|(?:has|have) been completed|"
+    r"\bis (?:now )?complete\b|\bare (?:now )?complete\b|"
     r"request is done|\bis done\b",
     re.IGNORECASE,
 )
