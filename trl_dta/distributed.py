@@ -1,9 +1,9 @@
-"""Re-partition a step's rollouts across data-parallel ranks along the DFS order.
+"""Re-partition a step's rollouts across data-parallel ranks along the lexicographic order.
 
 TRL generates rollouts per rank. Before training, :func:`repartition` gathers every rank's rollouts (all
-per-row and per-token fields the loss needs), splits the global batch with :func:`~trl_dta.dfs_partition`
-(contiguous DFS runs of balanced unique-token cost, so groups that share prefixes stay on one rank) and
-keeps this rank's run.
+per-row and per-token fields the loss needs), splits the global batch with
+:func:`~trl_dta.lexicographic_partition` (contiguous runs of the lexicographic order with balanced
+unique-token cost, so groups that share prefixes stay on one rank) and keeps this rank's run.
 
 Runs have unequal row counts, but TRL gathers (B,)-shaped metrics across ranks and splits a rank's batch
 into equal micro-batches, so every rank pads its run to the same row count (a multiple of
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .partition import dfs_partition
+from .partition import lexicographic_partition
 
 # per-token fields (right-padded to the completion width) and their padding values
 PER_TOKEN = {
@@ -89,8 +89,8 @@ def _rows(batch: dict, index: list[int], count: int) -> dict:
 
 
 def repartition(batch: dict, multiple: int = 1) -> tuple[dict, dict]:
-    """This rank's DFS run of the global batch, padded with zero-weight rows to the same row count on every
-    rank (a multiple of ``multiple``). Returns the batch and a few numbers for logging."""
+    """This rank's run of the global batch's lexicographic order, padded with zero-weight rows to the same row
+    count on every rank (a multiple of ``multiple``). Returns the batch and a few numbers for logging."""
     unknown = set(batch) - SUPPORTED
     if unknown:
         raise ValueError(f"cannot re-partition rollouts with fields {sorted(unknown)} (multimodal inputs?).")
@@ -100,7 +100,7 @@ def repartition(batch: dict, multiple: int = 1) -> tuple[dict, dict]:
     gathered: list[dict | None] = [None] * world
     dist.all_gather_object(gathered, local)
     merged = _concat(gathered)
-    parts = dfs_partition(partition_sequences(merged), world)
+    parts = lexicographic_partition(partition_sequences(merged), world)
     count = max(len(p) for p in parts)
     count = -(-count // multiple) * multiple
     mine = {k: v.to(device) for k, v in _rows(merged, parts[rank], count).items()}

@@ -1,4 +1,4 @@
-"""Split a step's rollouts across data-parallel ranks: contiguous runs of the DFS (lexicographic) order with
+"""Split a step's rollouts across data-parallel ranks: contiguous runs of the lexicographic order with
 balanced unique-token cost.
 
 Sorted lexicographically, sequences that share prefixes sit next to each other, so a contiguous run of
@@ -12,10 +12,17 @@ share (their LCP), at most ``(num_parts - 1) x`` the longest sequence in all. Am
 the smallest maximum cost, a dynamic program over the cut positions (range-minimum queries, ``O(num_parts x
 n log n)`` vectorised) picks the one that duplicates the fewest tokens, i.e. that cuts at the shallowest
 branch points (between groups rather than inside one).
+
+The lexicographic order is not the order the tree walk visits sequences (:meth:`PrefixTrie.dfs_order`, which
+puts leaves and shallow subtrees first); both keep a shared prefix's sequences together, but only the
+lexicographic order makes a run's cost the simple sum above. ``dfs_partition`` and ``DFSPartitionSampler``
+are the former, deprecated names of :func:`lexicographic_partition` and
+:class:`LexicographicPartitionSampler`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -23,6 +30,39 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from .trie import PrefixTrie
+
+__all__ = ["DFSPartitionSampler", "LexicographicPartitionSampler", "dfs_partition", "lexicographic_partition"]
+
+
+def _token_array(sequence: Any, i: int) -> np.ndarray:
+    if hasattr(sequence, "detach"):  # a torch tensor
+        sequence = sequence.detach().cpu().numpy()
+    arr = np.asarray(sequence)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(
+            f"sequence {i} must be a 1-D sequence of integer token ids, got {arr.dtype} {arr.shape}"
+        )
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
+        raise ValueError(f"sequence {i} has a token id outside [0, 2**32)")
+    return arr.astype(np.int64, copy=False)
+
+
+def _lexicographic(sequences: Sequence[Any]) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(order, lengths, lcp) of ``sequences`` in lexicographic order (a prefix before its extensions, ties by
+    index, as :meth:`PrefixTrie.lexicographic_order`): ``lengths[k]`` of the k-th sequence of the order and
+    ``lcp[k]`` its longest common prefix with the one before (``lcp[0] = 0``). Any length is fine, 0 included:
+    a partition needs no scored token."""
+    arrays = [_token_array(s, i) for i, s in enumerate(sequences)]
+    keys = [a.astype(">u4").tobytes() for a in arrays]  # memcmp order of big-endian uint32 = numeric order
+    order = sorted(range(len(arrays)), key=keys.__getitem__)
+    lengths = np.array([len(arrays[i]) for i in order], dtype=np.int64)
+    lcp = np.zeros(len(order), dtype=np.int64)
+    for k in range(1, len(order)):
+        prev, cur = arrays[order[k - 1]], arrays[order[k]]
+        m = min(len(prev), len(cur))
+        neq = np.flatnonzero(prev[:m] != cur[:m])
+        lcp[k] = neq[0] if neq.size else m
+    return order, lengths, lcp
 
 
 def _runs(starts_cost: np.ndarray, cum: np.ndarray, threshold: int, n: int) -> list[int] | None:
@@ -37,25 +77,32 @@ def _runs(starts_cost: np.ndarray, cum: np.ndarray, threshold: int, n: int) -> l
     return starts
 
 
-def dfs_partition(sequences: Sequence[Any] | PrefixTrie, num_parts: int) -> list[list[int]]:
+def lexicographic_partition(sequences: Sequence[Any] | PrefixTrie, num_parts: int) -> list[list[int]]:
     """Indices of ``sequences`` for each of ``num_parts`` parts: contiguous runs of the lexicographic order
     whose largest unique-token cost is the smallest possible over all such splits.
 
-    ``sequences`` are token-id sequences (as for :meth:`PrefixTrie.from_sequences`) or an already built
-    trie. Every index appears in exactly one part; within a part, indices are in lexicographic order.
-    Runs that cost more than others are split further while there are fewer runs than parts, so every
-    part gets sequences when there are at least ``num_parts``; with fewer sequences than parts, each of
-    the first ``len(sequences)`` parts gets one and the remaining parts are empty.
+    ``sequences`` are token-id sequences (lists, 1-D arrays or tensors of ids in ``[0, 2**32)``, of any
+    length, empty included) or an already built :class:`PrefixTrie`. Every index appears in exactly one
+    part; within a part, indices are in lexicographic order. Runs that cost more than others are split
+    further while there are fewer runs than parts, so every part gets sequences when there are at least
+    ``num_parts``; with fewer sequences than parts, each of the first ``len(sequences)`` parts gets one and
+    the remaining parts are empty.
     """
     if num_parts < 1:
         raise ValueError(f"num_parts must be >= 1, got {num_parts}")
-    trie = sequences if isinstance(sequences, PrefixTrie) else PrefixTrie.from_sequences(sequences)
-    order = trie.lexicographic_order()
+    if isinstance(sequences, PrefixTrie):
+        order = sequences.lexicographic_order()
+        lengths = np.array([sequences.sequence_length(i) for i in order], dtype=np.int64)
+        lcp = np.array(sequences.lexicographic_lcp(), dtype=np.int64)
+    else:
+        order, lengths, lcp = _lexicographic(sequences)
     n = len(order)
-    lengths = np.array([trie.sequence_length(i) for i in order], dtype=np.int64)
-    increments = lengths - np.array(trie.lexicographic_lcp(), dtype=np.int64)
+    if n == 0:
+        return [[] for _ in range(num_parts)]
+    increments = lengths - lcp
     cum = np.concatenate([[0], np.cumsum(increments)])  # cum[k] = sum of increments before k
-    lo, hi = int(increments.max()), int(cum[-1])  # a run pays at least its largest increment; one run pays all
+    # a run pays at least its largest increment; one run pays all
+    lo, hi = int(increments.max()), int(cum[-1])
     while lo < hi:
         mid = (lo + hi) // 2
         runs = _runs(lengths, cum, mid, n)
@@ -65,7 +112,7 @@ def dfs_partition(sequences: Sequence[Any] | PrefixTrie, num_parts: int) -> list
             lo = mid + 1
     parts_wanted = min(num_parts, n)
     starts = _fewest_duplicates(lengths, cum, increments, lo, parts_wanted)
-    bounds = list(zip(starts, starts[1:] + [n]))
+    bounds = list(zip(starts, [*starts[1:], n], strict=True))
     parts = [order[a:b] for a, b in bounds]
     return parts + [[] for _ in range(num_parts - len(parts))]
 
@@ -77,7 +124,8 @@ def _fewest_duplicates(lengths, cum, increments, threshold: int, parts: int) -> 
     (a run's cost shrinks as its start moves right), so each layer is one batch of range-minimum queries."""
     n = len(lengths)
     lcp = (lengths - increments).astype(np.float64)  # lcp[a]: tokens duplicated by a cut before sequence a
-    # cost(a, b) = lengths[a] - cum[a + 1] + cum[b] <= threshold  <=>  h[a] <= threshold - cum[b]; h is non-increasing
+    # cost(a, b) = lengths[a] - cum[a + 1] + cum[b] <= threshold  <=>  h[a] <= threshold - cum[b];
+    # h is non-increasing
     h = lengths - cum[1:]
     b = np.arange(1, n + 1)
     lo = np.searchsorted(-h, -(threshold - cum[b]), side="left")  # first a with h[a] <= threshold - cum[b]
@@ -128,18 +176,10 @@ def _range_min(values: np.ndarray, left: np.ndarray, right: np.ndarray) -> tuple
     return out_v, out_i
 
 
-def part_cost(trie: PrefixTrie, part: Sequence[int]) -> int:
-    """Unique tokens of the sub-trie of the sequences in ``part`` (a brute-force count, for checks)."""
-    prefixes = set()
-    for i in part:
-        seq = trie.sequences[i].tolist()
-        prefixes.update(tuple(seq[: k + 1]) for k in range(len(seq)))
-    return len(prefixes)
-
-
-class DFSPartitionSampler(Sampler[int]):
-    """Like ``DistributedSampler``, but the indices of ``sequences`` are split with :func:`dfs_partition`:
-    this rank gets one contiguous run of the DFS order, with balanced unique-token cost across ranks.
+class LexicographicPartitionSampler(Sampler[int]):
+    """Like ``DistributedSampler``, but the indices of ``sequences`` are split with
+    :func:`lexicographic_partition`: this rank gets one contiguous run of the lexicographic order, with
+    balanced unique-token cost across ranks.
 
     Args:
         sequences: the step's rollouts as token-id sequences, identical on every rank (gathered).
@@ -152,15 +192,38 @@ class DFSPartitionSampler(Sampler[int]):
             import torch.distributed as dist
 
             ready = dist.is_available() and dist.is_initialized()
-            num_replicas = num_replicas if num_replicas is not None else (dist.get_world_size() if ready else 1)
-            rank = rank if rank is not None else (dist.get_rank() if ready else 0)
+            if num_replicas is None:
+                num_replicas = dist.get_world_size() if ready else 1
+            if rank is None:
+                rank = dist.get_rank() if ready else 0
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
         self.num_replicas, self.rank = num_replicas, rank
-        self.indices = dfs_partition(sequences, num_replicas)[rank]
+        self.indices = lexicographic_partition(sequences, num_replicas)[rank]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Deprecated names (the split follows the lexicographic order, not the walk's DFS order)
+# ------------------------------------------------------------------------------------------------------------
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"{old} is deprecated: use {new} (same behaviour).", DeprecationWarning, stacklevel=3)
+
+
+def dfs_partition(sequences: Sequence[Any] | PrefixTrie, num_parts: int) -> list[list[int]]:
+    """Deprecated name of :func:`lexicographic_partition`."""
+    _deprecated("dfs_partition", "lexicographic_partition")
+    return lexicographic_partition(sequences, num_parts)
+
+
+class DFSPartitionSampler(LexicographicPartitionSampler):
+    """Deprecated name of :class:`LexicographicPartitionSampler`."""
+
+    def __init__(self, sequences: Sequence[Any], num_replicas: int | None = None, rank: int | None = None):
+        _deprecated("DFSPartitionSampler", "LexicographicPartitionSampler")
+        super().__init__(sequences, num_replicas, rank)

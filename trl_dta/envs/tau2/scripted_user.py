@@ -1,81 +1,24 @@
-"""Users for the τ²-bench environment: an offline scripted user and an optional LLM user.
+"""The offline scripted user of the τ²-bench environment: deterministic keyword matching over the task's user
+scenario, no LLM and no network (see :class:`ScriptedUser`).
 
-Both have the same two-method interface, used by :class:`trl_dta.envs.Tau2Environment`:
-
-* ``reset(instructions, opening=None) -> str``: start a new conversation for a task's user scenario and
-  return the user's opening message (``opening`` replays a given opening instead of making one).
-* ``respond(message) -> str``: the user's reply to one message of the agent. A reply containing one of
-  :data:`END_MARKERS` (``###STOP###``, ``###TRANSFER###``, ``###OUT-OF-SCOPE###``, τ²'s own markers) ends the
-  conversation.
-
-``instructions`` is a τ² ``Task``, ``UserScenario``, ``StructuredUserInstructions``, a plain string, or a
-dict with τ²'s fields (``reason_for_call``, ``known_info``, ``unknown_info``, ``task_instructions``).
-
-:class:`ScriptedUser` needs no LLM and no network: it is deterministic keyword matching over the scenario
-(see its docstring). It is a stand-in for τ²'s LLM user simulator that lets a policy be trained and tested
-offline; it is much less adaptive than an LLM user (it does not follow the scenario's conditional
-instructions, e.g. "if the agent asks for confirmation, change your mind").
-
-:class:`LLMUser` plays τ²'s user simulator with any OpenAI-compatible chat endpoint through plain ``urllib``
-(no extra dependency). It is never called by the tests.
-
-This module does not import ``tau2``.
+It is a stand-in for τ²'s LLM user simulator that lets a policy be trained and tested offline; it is much
+less adaptive than an LLM user (it does not follow the scenario's conditional instructions, e.g. "if the
+agent asks for confirmation, change your mind"). The interface is described in :mod:`.users`.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import urllib.request
-from pathlib import Path
 
-STOP = "###STOP###"
-TRANSFER = "###TRANSFER###"
-OUT_OF_SCOPE = "###OUT-OF-SCOPE###"
-END_MARKERS = (STOP, TRANSFER, OUT_OF_SCOPE)
-
-AGENT_GREETING = "Hi! How can I help you today?"  # τ²'s default first agent message
-
-__all__ = [
-    "AGENT_GREETING",
-    "END_MARKERS",
-    "OUT_OF_SCOPE",
-    "STOP",
-    "TRANSFER",
-    "LLMUser",
-    "ScriptedUser",
-    "scenario_fields",
-    "to_first_person",
-]
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Scenario parsing
-# ------------------------------------------------------------------------------------------------------------
-_FIELDS = ("reason_for_call", "known_info", "unknown_info", "task_instructions")
-
-
-def scenario_fields(instructions) -> dict[str, str]:
-    """τ²'s user-instruction fields as plain strings ('' when absent), from any accepted form."""
-    obj = instructions
-    for attr in ("user_scenario", "instructions"):  # Task -> UserScenario -> instructions
-        inner = obj.get(attr) if isinstance(obj, dict) else getattr(obj, attr, None)
-        if inner is not None and not isinstance(obj, str):
-            obj = inner
-    if isinstance(obj, str):
-        return {"reason_for_call": obj, "known_info": "", "unknown_info": "", "task_instructions": ""}
-    if not isinstance(obj, dict):
-        obj = obj.model_dump() if hasattr(obj, "model_dump") else vars(obj)
-    out = {k: (obj.get(k) or "") for k in _FIELDS}
-    return {k: ("" if v.strip() in ("", ".") else v.strip()) for k, v in out.items()}
-
+from .users import STOP, TRANSFER, scenario_fields
 
 _SUBJECT_BEFORE = {"", "and", "but", "or", "if", "when", "because", "that", "so", "then", "since", "while",
                    "as", "though", "although", "unless", "until", "once", "where", "whether"}  # fmt: skip
 # Words that follow an object "you" ("asks you to", "gave you a", "thank you for"); any other next word is
 # taken for a verb, so "you" is the subject ("realized you might" -> "realized I might").
-_OBJECT_AFTER = {"to", "a", "an", "the", "for", "with", "about", "if", "and", "or", "that", "this", "back", "some",
-                 "any", "up", "in", "on", "at", "from", "by", "as", "so", "but", "when", "again"}  # fmt: skip
+_OBJECT_AFTER = {"to", "a", "an", "the", "for", "with", "about", "if", "and", "or", "that", "this", "back",
+                 "some", "any", "up", "in", "on", "at", "from", "by", "as", "so", "but", "when",
+                 "again"}  # fmt: skip
 _PRONOUN_RE = re.compile(
     r"\b(you are|you were|you're|you've|you'd|you'll|yourself|yours|your|you)\b", re.IGNORECASE
 )
@@ -95,7 +38,9 @@ def to_first_person(text: str) -> str:
             prev = re.findall(r"[A-Za-z']+$", before)
             if prev and prev[0].lower() in ("thank", "see"):
                 return m.group(1)
-            at_clause_start = not before or before[-1] in ".,;:!?(\n" or (prev and prev[0].lower() in _SUBJECT_BEFORE)
+            at_clause_start = (
+                not before or before[-1] in ".,;:!?(\n" or (prev and prev[0].lower() in _SUBJECT_BEFORE)
+            )
             nxt = re.match(r"\s*([A-Za-z']+)", text[m.end() :])
             object_next = nxt is None or nxt.group(1).lower() in _OBJECT_AFTER
             new = "I" if at_clause_start or not object_next else "me"
@@ -114,15 +59,21 @@ def _sentences(text: str) -> list[str]:
 
 
 # Sentences of the reason for the call that are instructions to the simulator, not things a customer says.
-_META_RE = re.compile(r"\bagent\b|\breveal|\bmention|\bpretend|\bmake up\b|\bsimulat|\bdo not tell\b|\bdon't tell\b",
-                      re.IGNORECASE)  # fmt: skip
-_NAME_RE = re.compile(r"(?:[Nn]ame is|[Cc]alled|[Yy]ou are|[Yy]ou're|I am|I'm)\s+([A-Z][a-z]+)(?:\s+([A-Z][a-z]+))?")
+_META_RE = re.compile(
+    r"\bagent\b|\breveal|\bmention|\bpretend|\bmake up\b|\bsimulat|\bdo not tell\b|\bdon't tell\b",
+    re.IGNORECASE,
+)
+_NAME_RE = re.compile(
+    r"(?:[Nn]ame is|[Cc]alled|[Yy]ou are|[Yy]ou're|I am|I'm)\s+([A-Z][a-z]+)(?:\s+([A-Z][a-z]+))?"
+)
 _NOT_NAMES = {"In", "From", "And", "The", "A", "An", "Living", "Residing", "User", "Your", "You", "Now"}
 _EMAIL_RE = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
 _USER_ID_RE = re.compile(r"\b[a-z]+(?:_[a-z]+)+_\d{3,5}\b")
 _ZIP_RE = re.compile(r"\b\d{5}\b")
 _ORDER_RE = re.compile(r"#?\bW\d{7}\b")
-_STREET = r"(?:Drive|Street|Avenue|Road|Lane|Boulevard|Way|Court|Place|Circle|Trail|Parkway|St|Ave|Rd|Ln|Blvd|Dr)"
+_STREET = (
+    r"(?:Drive|Street|Avenue|Road|Lane|Boulevard|Way|Court|Place|Circle|Trail|Parkway|St|Ave|Rd|Ln|Blvd|Dr)"
+)
 _ADDRESS_RE = re.compile(r"\b\d+\s+[A-Z][A-Za-z]*(?:\s+[A-Z][A-Za-z]*)*\s+" + _STREET + r"\b[^.\n]*")
 _PAYMENTS = (("paypal", "PayPal"), ("gift card", "gift card"), ("credit card", "credit card"),
              ("debit card", "debit card"), ("original payment", "original payment method"))  # fmt: skip
@@ -140,19 +91,30 @@ _ASKS = {
     "payment": (r"payment method|pay with|refund (?:to|method)|which card|payment", "payment method", False),
 }
 # Other facts an airline/other-domain scenario may state in known_info; answered with the known_info sentence.
-_OTHER_KEYWORDS = ("reservation", "confirmation number", "membership", "phone", "birth", "passport", "booking")
+_OTHER_KEYWORDS = (
+    "reservation",
+    "confirmation number",
+    "membership",
+    "phone",
+    "birth",
+    "passport",
+    "booking",
+)
 _CONFIRM_RE = re.compile(
     r"\bconfirm|\bproceed|yes/no|\(yes|\bshall i\b|\bshould i\b|would you like me to|do you want me to|"
     r"is (?:that|this) (?:correct|right|ok)|\bgo ahead\b|do you agree|are you sure|would you like to",
     re.IGNORECASE,
 )
 _DONE_RE = re.compile(
-    r"anything else|something else|is there any other|all set|all done|have a (?:great|nice|good|wonderful) day|"
-    r"goodbye|\bbye\b|(?:has|have) been completed|\bis (?:now )?complete\b|\bare (?:now )?complete\b|"
+    r"anything else|something else|is there any other|all set|all done|"
+    r"have a (?:great|nice|good|wonderful) day|goodbye|\bbye\b|(?:has|have) been completed|"
+    r"\bis (?:now )?complete\b|\bare (?:now )?complete\b|"
     r"request is done|\bis done\b",
     re.IGNORECASE,
 )
-_TRANSFER_RE = re.compile(r"\btransferr?(?:ed|ing)?\b.*\b(?:human|representative|specialist|agent)", re.IGNORECASE)
+_TRANSFER_RE = re.compile(
+    r"\btransferr?(?:ed|ing)?\b.*\b(?:human|representative|specialist|agent)", re.IGNORECASE
+)
 
 
 def _strip_meta(reason: str) -> str:
@@ -275,7 +237,11 @@ class ScriptedUser:
         if key == "order_id":
             return ("The order id is " if len(v) == 1 else "The order ids are ") + " and ".join(v) + "."
         if key == "payment":
-            return f"I'd like to use my {v}." if v != "original payment method" else "Please use the original payment method."
+            return (
+                f"I'd like to use my {v}."
+                if v != "original payment method"
+                else "Please use the original payment method."
+            )
         raise KeyError(key)
 
     def _unknown(self, key: str, label: str) -> str:
@@ -316,94 +282,3 @@ class ScriptedUser:
         if self._fallbacks == 1:
             return "To repeat my request: " + self.opening.removeprefix("Hi! ")
         return "Could you please go ahead and help me with my request?"
-
-
-# ------------------------------------------------------------------------------------------------------------
-# LLM user (any OpenAI-compatible endpoint)
-# ------------------------------------------------------------------------------------------------------------
-_GUIDELINES_FALLBACK = """# User Simulation Guidelines
-You are playing the role of a customer contacting a customer service representative.
-Your goal is to simulate realistic customer interactions while following specific scenario instructions.
-- Generate one message at a time, maintaining natural conversation flow.
-- Strictly follow the scenario instructions you have received.
-- Never make up or hallucinate information not provided in the scenario instructions.
-- Disclose information progressively. Wait for the agent to ask for specific information before providing it.
-- If the instruction goal is satisfied, generate the '###STOP###' token to end the conversation.
-- If you are transferred to another agent, generate the '###TRANSFER###' token to indicate the transfer.
-- If the scenario does not provide enough information to continue, generate the '###OUT-OF-SCOPE###' token."""
-
-
-def _tau2_guidelines() -> str:
-    try:
-        import tau2
-
-        path = Path(tau2.__file__).parent / "data" / "tau2" / "user_simulator" / "simulation_guidelines.md"
-        return path.read_text(encoding="utf-8")
-    except Exception:  # noqa: BLE001 - tau2 missing or laid out differently: a condensed copy of the same guidelines
-        return _GUIDELINES_FALLBACK
-
-
-def _scenario_text(instructions) -> str:
-    if isinstance(instructions, str):
-        return instructions
-    obj = getattr(instructions, "user_scenario", None) or instructions
-    if not isinstance(obj, dict) and hasattr(obj, "instructions"):
-        return str(obj)  # τ²'s own rendering of the scenario
-    f = scenario_fields(instructions)
-    names = {"reason_for_call": "Reason for call", "known_info": "Known info", "unknown_info": "Unknown info",
-             "task_instructions": "Task instructions"}  # fmt: skip
-    return "\n".join(f"{names[k]}:\n\t{v}" for k, v in f.items() if v)
-
-
-class LLMUser:
-    """τ²'s user simulator prompt (simulation guidelines + ``<scenario>``) played by an LLM behind any
-    OpenAI-compatible ``/chat/completions`` endpoint (vLLM, SGLang, llama.cpp server, OpenAI...), called with
-    ``urllib`` (no extra dependency). Roles are flipped as in τ²: the agent's messages are sent as ``user``
-    messages, the simulated user's as ``assistant`` messages. Network errors raise (the environment then ends
-    the episode abnormally, reward 0).
-
-    Args:
-        base_url: Endpoint root, e.g. ``http://localhost:8000/v1``.
-        model: Model name sent in the request.
-        api_key: Sent as ``Authorization: Bearer <api_key>`` when given.
-        temperature: Sampling temperature (τ² uses 0).
-        max_tokens: Most tokens per user reply.
-        timeout: Seconds per request.
-    """
-
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, temperature: float = 0.0,
-                 max_tokens: int = 512, timeout: float = 120.0):  # fmt: skip
-        self.base_url = base_url.rstrip("/")
-        self.model = model
-        self.api_key = api_key
-        self.temperature = temperature
-        self.max_tokens = max_tokens
-        self.timeout = timeout
-        self.messages: list[dict] = []
-        self.opening = ""
-
-    def reset(self, instructions, opening: str | None = None) -> str:
-        system = f"{_tau2_guidelines()}\n\n<scenario>\n{_scenario_text(instructions)}\n</scenario>"
-        self.messages = [{"role": "system", "content": system}, {"role": "user", "content": AGENT_GREETING}]
-        self.opening = opening if opening is not None else self._complete()
-        self.messages.append({"role": "assistant", "content": self.opening})
-        return self.opening
-
-    def respond(self, message: str) -> str:
-        self.messages.append({"role": "user", "content": str(message)})
-        reply = self._complete()
-        self.messages.append({"role": "assistant", "content": reply})
-        return reply
-
-    def _complete(self) -> str:
-        body = {"model": self.model, "messages": self.messages, "temperature": self.temperature,
-                "max_tokens": self.max_tokens}  # fmt: skip
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(
-            f"{self.base_url}/chat/completions", data=json.dumps(body).encode(), headers=headers, method="POST"
-        )
-        with urllib.request.urlopen(request, timeout=self.timeout) as response:
-            payload = json.loads(response.read().decode())
-        return (payload["choices"][0]["message"].get("content") or "").strip()
