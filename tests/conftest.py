@@ -91,13 +91,26 @@ def _eager_in_input_dtype(module, query, key, value, attention_mask, scaling, dr
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-@pytest.fixture(autouse=True, scope="session")
+@pytest.fixture(scope="module")
 def fp64_exact():
     """Keep HF's float32 casts in float64 (test-only), so two exact methods agree to ~1e-15 in float64.
-    Float32 models are unaffected: the patched code computes in the input dtype, as HF does for them."""
+    Float32 models are unaffected: the patched code computes in the input dtype, as HF does for them.
+    Opt-in per module (``pytestmark = pytest.mark.usefixtures("fp64_exact")``): the trainer parity tests
+    must see HF's code as users run it."""
     mp = pytest.MonkeyPatch()
     for mod, norm in ((modeling_llama, "LlamaRMSNorm"), (modeling_qwen3, "Qwen3RMSNorm")):
         mp.setattr(getattr(mod, norm), "forward", _rmsnorm_in_input_dtype)
         mp.setattr(mod, "eager_attention_forward", _eager_in_input_dtype)
     yield
     mp.undo()
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """The trainer tests' tiny Qwen3 (tests/grpo_setup.py) saved once: trainers, TRL's reference model (for
+    beta > 0) and subprocess workers load it by path."""
+    from grpo_setup import tiny_model
+
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    tiny_model(seed=0).save_pretrained(path)
+    return str(path)

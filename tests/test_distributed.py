@@ -20,13 +20,6 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("dist_model")
-    tiny_model(seed=0).save_pretrained(path)
-    return str(path)
-
-
 def run(out, model_dir, loss_type, trainer, procs, accumulation=1):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "REFERENCE_WORLD": "2", "PYTHONUNBUFFERED": "1",
            "GRAD_ACCUM": str(accumulation)}  # fmt: skip

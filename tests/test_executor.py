@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from conftest import VOCAB, cached_model, dense_grads, dense_logps, grads_of, make_model, max_rel_diff
 from trl_dta import PrefixTrie, TreeExecutor
 
+pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
+
 FAMILIES = [("qwen3", "sdpa"), ("qwen3", "eager"), ("llama", "sdpa"), ("llama", "eager")]
 TIGHT = 1e-10
 

@@ -8,6 +8,8 @@ import torch
 from conftest import dense_grads, grads_of, make_model, max_rel_diff
 from trl_dta import PrefixTrie, TreeExecutor
 
+pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
+
 SEQS = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 7, 8, 9, 10]]
 
 

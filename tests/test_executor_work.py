@@ -10,6 +10,8 @@ from conftest import make_model
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.memory import SavedTensorMeter
 
+pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
+
 
 def sequences(prefix_len=40, groups=3, per_group=4, turn=9, tail=6, seed=0):
     """A system prompt, groups sharing a prompt, then a shared first turn per group, then own tails."""

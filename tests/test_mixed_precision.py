@@ -22,7 +22,7 @@ from grpo_setup import GradRecorder, ScriptedGRPOTrainer, make_config, make_trai
 from trl import GRPOConfig
 
 from conftest import max_rel_diff
-from test_trainer import TreeScripted, model_dir  # noqa: F401 (fixture)
+from test_trainer import TreeScripted
 from trl_dta import TreePPOConfig
 
 MARGIN = 1.5

@@ -17,6 +17,8 @@ from test_executor import loss_fn_for, shared_prefix_sequences
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.router_loss import load_balancing_loss, node_weights
 
+pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
+
 COEF = 0.5  # large, so that the aux gradient is a visible part of the total
 
 

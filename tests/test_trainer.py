@@ -11,17 +11,10 @@ from trl import GRPOConfig
 from conftest import max_rel_diff
 from trl_dta import PrefixTrie, TreePPOConfig, TreePPOTrainer
 from trl_dta.losses import LOSS_TYPES
+from trl_dta.rows import batch_rows
 
 TreeScripted = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
 TOL = 1e-4  # per tensor max|diff| / max|reference|, fp32
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The tiny model saved once: both trainers (and TRL's reference model, for beta > 0) load it by path."""
-    path = tmp_path_factory.mktemp("tiny_qwen3")
-    tiny_model(seed=0).save_pretrained(path)
-    return str(path)
 
 
 def train(trainer_cls, config_cls, model, tmp_path, peft_config=None, num_prompts=2, **overrides):
@@ -38,7 +31,7 @@ def assert_same_gradients(tmp_path, model, peft_config=None, **overrides):
     tree, got = train(TreeScripted, TreePPOConfig, model, tmp_path, peft_config, **overrides)
     assert tree._tree_pending == {}  # every walked micro-batch was served
     assert len(ref) == len(got) == overrides.get("max_steps", 2)
-    for step, (g, r) in enumerate(zip(got, ref)):
+    for step, (g, r) in enumerate(zip(got, ref, strict=True)):
         assert max_rel_diff(g, r) <= TOL, f"step {step}"
     return stock.state.log_history, tree.state.log_history
 
@@ -92,11 +85,14 @@ def test_dense_logprob_path_never_called(tmp_path, model_dir, monkeypatch):
 
 
 def test_gradient_self_check_passes_and_gradient_checkpointing_is_handled(tmp_path, model_dir):
-    _, got = train(TreeScripted, TreePPOConfig, model_dir, tmp_path, tree_check_gradients=True,
-                   gradient_checkpointing=True, **MOVING)  # fmt: skip
+    tree, got = train(TreeScripted, TreePPOConfig, model_dir, tmp_path, tree_check_gradients=True,
+                      gradient_checkpointing=True, **MOVING)  # fmt: skip
     _, ref = train(ScriptedGRPOTrainer, GRPOConfig, model_dir, tmp_path, **MOVING)
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         assert max_rel_diff(g, r) <= TOL
+    assert tree.model.is_gradient_checkpointing  # on during training, suspended only inside the walk
+    checks = [h["tree/check_error"] for h in tree.state.log_history if "tree/check_error" in h]
+    assert len(checks) == 1 and checks[0] <= TOL  # the self-check ran, once, and passed
 
 
 def test_bad_settings_are_refused(tmp_path, model_dir):
@@ -121,7 +117,7 @@ def test_resume_from_checkpoint_continues_with_same_gradients(tmp_path, model_di
     second = make_trainer(TreeScripted, config, model=model_dir, callbacks=[recorder])
     second.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-2"))
     assert len(recorder.grads) == 2
-    for g, r in zip(recorder.grads, full[2:]):
+    for g, r in zip(recorder.grads, full[2:], strict=True):
         assert max_rel_diff(g, r) <= TOL
 
 
@@ -131,7 +127,7 @@ def test_save_and_reload_round_trips(tmp_path, model_dir):
     trainer, _ = train(TreeScripted, TreePPOConfig, model_dir, tmp_path, **MOVING)
     trainer.save_model(str(tmp_path / "final"))
     reloaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
-    for (name, p), (_, q) in zip(trainer.model.named_parameters(), reloaded.named_parameters()):
+    for (name, p), (_, q) in zip(trainer.model.named_parameters(), reloaded.named_parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q, rtol=0, atol=0, msg=name)
 
 
@@ -194,21 +190,15 @@ def test_one_walk_per_optimizer_step_forwards_each_unique_token_once(tmp_path, m
     trainer.train()
     for h in hooks:
         h.remove()
-    rows = []
-    for inputs in trainer.step_inputs:
-        rows += [r for r in TreePPOTrainer._rows(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
-                                                 inputs["completion_mask"]) if r is not None]  # fmt: skip
-    step_trie = PrefixTrie.from_sequences([seq for seq, _ in rows])
+    rows = [r for b in trainer.step_inputs for r in batch_rows(b) if r.completion_length]
+    step_trie = PrefixTrie.from_sequences([r.tokens for r in rows])
     per_micro_batch = sum(
-        PrefixTrie.from_sequences(
-            [r[0] for r in TreePPOTrainer._rows(b["prompt_ids"], b["prompt_mask"], b["completion_ids"],
-                                                b["completion_mask"]) if r is not None]  # fmt: skip
-        ).num_unique_tokens
+        PrefixTrie.from_sequences([r.tokens for r in batch_rows(b) if r.completion_length]).num_unique_tokens
         for b in trainer.step_inputs
     )
     assert len(trainer.step_inputs) == 4
     assert sum(embedded) == step_trie.num_unique_tokens < per_micro_batch
-    scored = {tuple(seq[: t + 2]) for seq, plen in rows for t in range(plen - 1, len(seq) - 1)}
+    scored = {tuple(r.tokens[: t + 2]) for r in rows for t in range(r.prompt_length - 1, len(r.tokens) - 1)}
     assert sum(head_rows) == len(scored)
     assert trainer.state.log_history[0]["tree/unique_tokens"] == step_trie.num_unique_tokens
 

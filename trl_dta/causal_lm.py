@@ -21,6 +21,7 @@ import logging
 import torch
 from torch import nn
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +30,45 @@ SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3"
 _PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
-class _RecordingCache(DynamicCache):
-    """A DynamicCache pre-filled with the path's K/V that records each layer's new K/V as they arrive."""
+# Per layer, the path's K/V: one (K, V) pair [B, kv_heads, length, head_dim], or a list of such pieces (one per
+# segment on the walk's stack, in order), concatenated only when the forward needs them.
+Past = list["tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]"]
 
-    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]] | None):
-        super().__init__(ddp_cache_data=past) if past else super().__init__()
+
+class _PathLayer(DynamicLayer):
+    """One layer of the walk's cache: the path's K/V kept as the stack's pieces, joined with the new tokens'
+    K/V in a single concatenation when the layer runs (a pre-filled DynamicCache would copy the path twice
+    more: once to fill, once to append). Pieces kept in float32 for gradient accumulation are cast to the
+    new K/V's dtype in the same step."""
+
+    def __init__(self, pieces: list[tuple[torch.Tensor, torch.Tensor]]):
+        super().__init__()
+        self.pieces = pieces
+        self.past_length = sum(k.shape[-2] for k, _ in pieces)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([k.to(key_states.dtype) for k, _ in self.pieces] + [key_states], dim=-2)
+        self.values = torch.cat([v.to(value_states.dtype) for _, v in self.pieces] + [value_states], dim=-2)
+        self.pieces = []
+        self.past_length = self.keys.shape[-2]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.past_length
+
+
+class _RecordingCache(DynamicCache):
+    """A cache holding the path's K/V (per layer, as pieces) that records each layer's new K/V as they
+    arrive."""
+
+    def __init__(self, past: Past | None, num_layers: int):
+        layers = []
+        for layer in past if past else [[]] * num_layers:
+            pieces = [layer] if isinstance(layer, tuple) else list(layer)
+            layers.append(_PathLayer(pieces))
+        Cache.__init__(self, layers=layers)
         self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -193,12 +228,13 @@ class CausalLM:
         self,
         input_ids: torch.Tensor,
         start: int,
-        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        past: Past | None,
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Decode ``input_ids`` ([B, L], positions ``start..start+L-1`` unless ``positions`` are given) on top of
-        ``past`` (per layer K, V of shape [B, kv_heads, start, head_dim]), causally, or with a 4-D additive
+        ``past`` (per layer K, V of shape [B, kv_heads, start, head_dim], or a list of pieces that together
+        cover positions ``0..start-1``), causally, or with a 4-D additive
         ``attention_mask`` [B, 1, L, start + L]. Returns hidden states [B, L, D] and the new K/V per layer."""
         hidden, kv, _ = self._decode(input_ids, start, past, positions, attention_mask, False)
         return hidden, kv
@@ -207,7 +243,7 @@ class CausalLM:
         self,
         input_ids: torch.Tensor,
         start: int,
-        past: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        past: Past | None,
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], list[torch.Tensor]]:
@@ -218,7 +254,7 @@ class CausalLM:
 
     def _decode(self, input_ids, start, past, positions, attention_mask, router_logits: bool):
         batch, length = input_ids.shape
-        cache = _RecordingCache(past)
+        cache = _RecordingCache(past, self.num_layers)
         if positions is None:
             positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
         extra = {} if attention_mask is None else {"attention_mask": attention_mask}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .rows import batch_rows
 from .partition import lexicographic_partition
 
 # per-token fields (right-padded to the completion width) and their padding values
@@ -61,16 +62,9 @@ def _concat(batches: list[dict]) -> dict:
 
 
 def partition_sequences(batch: dict) -> list[list[int]]:
-    """Each row's tokens for partitioning: the prompt without padding, then the completion up to its last
-    unmasked token (at least one token, so that every row is a valid sequence)."""
-    seqs = []
-    for p_ids, p_mask, c_ids, c_mask in zip(
-        batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"]
-    ):
-        real = c_mask.nonzero()
-        length = int(real[-1]) + 1 if real.numel() else 1
-        seqs.append(p_ids[p_mask.bool()].tolist() + c_ids[:length].tolist())
-    return seqs
+    """Each row's tokens for partitioning (:func:`trl_dta.rows.batch_rows`; a row without a completion is
+    its prompt, so it stays next to its group)."""
+    return [row.tokens for row in batch_rows(batch)]
 
 
 def _rows(batch: dict, index: list[int], count: int) -> dict:

@@ -257,14 +257,14 @@ class TreeExecutor:
             torch.stack(losses).sum().backward()
 
     def _past(self, stack: list[_Frame], rows: int):
+        """Per layer, the stack's K/V pieces (expanded to ``rows`` rows, no copy): the cache joins them with
+        the new tokens' K/V in one concatenation."""
         if not stack:
             return None
-        past = []
-        for layer in range(self.lm.num_layers):
-            k = torch.cat([f.kv_leaf[layer][0] for f in stack], dim=2).to(stack[0].kv[layer][0].dtype)
-            v = torch.cat([f.kv_leaf[layer][1] for f in stack], dim=2).to(stack[0].kv[layer][1].dtype)
-            past.append((k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)))
-        return past
+        return [
+            [(f.kv_leaf[layer][0].expand(rows, -1, -1, -1), f.kv_leaf[layer][1].expand(rows, -1, -1, -1)) for f in stack]
+            for layer in range(self.lm.num_layers)
+        ]
 
     def _forward(self, ids: torch.Tensor, start: int, stack: list[_Frame], positions=None, attention_mask=None):
         """Decode ``ids`` [B, L] on the stack's K/V: hidden [B, L, D], new K/V, and (when the walk reads router

@@ -20,6 +20,13 @@ import torch
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
 
 
+def loss_mask(inputs: dict) -> torch.Tensor:
+    """TRL's (B, T) mask of the completion tokens the loss reads: the completion mask, times the tool mask
+    (0 on tool-response tokens of multi-turn rollouts) when there is one."""
+    mask = inputs["completion_mask"]
+    return mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+
+
 @dataclass(frozen=True)
 class LossSettings:
     """The numbers of a GRPOTrainer's loss (read from the trainer by :meth:`from_trainer`)."""
@@ -88,8 +95,7 @@ class RowLoss:
     ):
         self.s = settings
         self.inputs = inputs
-        mask = inputs["completion_mask"]
-        self.mask = mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
+        self.mask = loss_mask(inputs)
         self.rows = self.mask.shape[0] if rows is None else rows
         advantages = inputs["advantages"]
         self.advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages

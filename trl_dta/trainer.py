@@ -32,8 +32,9 @@ from . import distributed
 from .config import TreePPOConfig
 from .executor import TreeExecutor
 from .gradient_check import GradientCheck
-from .losses import LossSettings, RowLoss
+from .losses import LossSettings, RowLoss, loss_mask
 from .router_loss import load_balancing_loss, node_weights
+from .rows import batch_rows
 from .trie import PrefixTrie
 
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
@@ -121,27 +122,6 @@ class TreePPOTrainer(GRPOTrainer):
             self._executors[id(model)] = TreeExecutor(model, **self._tree_options)
         return self._executors[id(model)]
 
-    @staticmethod
-    def _rows(prompt_ids, prompt_mask, completion_ids, completion_mask, keep_prompt_only=False):
-        """Each row's real tokens (prompt without left padding + completion up to its last unmasked token)
-        and its prompt length; rows with no completion token to score are None (their loss is 0), unless
-        ``keep_prompt_only`` (MoE: TRL's load-balancing loss counts every token of the attention mask, the
-        prompt of such a row too)."""
-        rows = []
-        for i, (p_ids, p_mask, c_ids, c_mask) in enumerate(
-            zip(prompt_ids, prompt_mask, completion_ids, completion_mask, strict=True)
-        ):
-            prompt = p_ids[p_mask.bool()]
-            real = c_mask.nonzero()
-            length = int(real[-1]) + 1 if real.numel() else 0
-            if prompt.numel() == 0 or (length == 0 and not keep_prompt_only):
-                rows.append(None)
-                continue
-            if prompt.numel() + length < 2:
-                raise ValueError(f"row {i} has a single token; the tree walk needs at least two per row.")
-            rows.append((torch.cat([prompt, c_ids[:length]]).tolist(), prompt.numel()))
-        return rows
-
     # ------------------------------------------------------------------ multi-process: re-partition
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -214,15 +194,18 @@ class TreePPOTrainer(GRPOTrainer):
         return logps, entropies, None
 
     def _trie(self, batches: list[dict]):
-        """One trie of the rows of ``batches``, and per trie sequence its (batch, row, prompt length)."""
+        """One trie of the rows of ``batches``, and per trie sequence its (batch, row, prompt length). Rows
+        with no completion token have no loss and are left out, except for MoE models: TRL's load-balancing
+        loss counts every token of the attention mask, the prompt of such a row too."""
         seqs, owners = [], []
         for b, inputs in enumerate(batches):
-            rows = self._rows(inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
-                              inputs["completion_mask"], keep_prompt_only=self.aux_loss_enabled)  # fmt: skip
-            for i, row in enumerate(rows):
-                if row is not None:
-                    seqs.append(row[0])
-                    owners.append((b, i, row[1]))
+            for i, row in enumerate(batch_rows(inputs)):
+                if row.prompt_length == 0 or (row.completion_length == 0 and not self.aux_loss_enabled):
+                    continue
+                if len(row.tokens) < 2:
+                    raise ValueError(f"row {i} has a single token; the tree walk needs at least two per row.")
+                seqs.append(row.tokens)
+                owners.append((b, i, row.prompt_length))
         return (PrefixTrie.from_sequences(seqs) if seqs else None), owners
 
     # ------------------------------------------------------------------ the training loss
@@ -269,11 +252,9 @@ class TreePPOTrainer(GRPOTrainer):
 
     def _row_loss(self, inputs, training: bool, entropies: torch.Tensor | None) -> RowLoss:
         """TRL's loss for one micro-batch, per row: the micro-batch constants are settled here."""
-        mask = inputs["completion_mask"]
-        mask = mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:  # couples the micro-batch's rows: its entropies come first
-            entropy_mask = self.get_high_entropy_mask(entropies, mask, 1 - self.top_entropy_quantile)
+            entropy_mask = self.get_high_entropy_mask(entropies, loss_mask(inputs), 1 - self.top_entropy_quantile)
         entropy_coef = 0.0
         if self._entropy_bonus_enabled:  # TRL applies the coefficient set at the end of the previous step
             entropy_coef = self.entropy_coef
