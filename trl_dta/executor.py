@@ -2,16 +2,21 @@
 
 The walk follows the plan of :mod:`trl_dta.plan`. A stack holds the segments of the current root-to-node
 path; for each one it keeps the K/V the segment produced in every layer, its last hidden state (to score
-its children's first tokens) and its tokens' log-probs. Descendants read these as *detached leaves*
-(``requires_grad=True``), so whatever gradient a descendant sends into them accumulates in their ``.grad``:
+its children's first tokens) and its tokens' log-probs. Descendants read these through *handles*: detached
+copies with ``requires_grad=True`` (autograd leaves; "leaf" alone always means a trie leaf here), so
+whatever gradient a descendant sends into them accumulates in their ``.grad``:
 
 * ``Push``: forward the segment on the stack's K/V; keep the autograd graph, or (chunked backward) forward
   without one and recompute it at pop.
 * ``Leaves``: forward a batch of sibling leaves (packed into one row with a block-diagonal causal mask, or
-  right-padded where the attention backend takes no custom mask), compute each finished sequence's loss from the log-probs along its path and backpropagate
-  at once: into the parameters, and into the leaves of every segment on the stack.
-* ``Pop``: backpropagate the segment's outputs with the gradients collected in its leaves, which continues
-  into the parameters and into the leaves of the segments below it; then free it.
+  right-padded where the attention backend takes no custom mask), compute each finished sequence's loss
+  from the log-probs along its path and backpropagate at once: into the parameters, and into the handles of
+  every segment on the stack.
+* ``Pop``: backpropagate the segment's outputs with the gradients collected in their handles, which
+  continues into the parameters and into the handles of the segments below it; then free it.
+
+MoE models: the walk can also backpropagate a linear term in each segment's router probabilities (the
+load-balancing loss, :mod:`trl_dta.router_loss`), and count router choices in a no-grad pass.
 
 Because the loss of a sequence is a function of its own log-probs only, the sum of all these backward
 calls is exactly ``sum_i loss_fn(i, logps_i, entropies_i).backward()`` over dense per-sequence forwards.
@@ -47,9 +52,10 @@ class RouterStats:
     layers: int
 
 
-def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A detached copy that descendants read and whose ``.grad`` collects their gradients. Half-precision
-    outputs (bf16 autocast) get a float32 leaf, so the gradients of many children sum in float32."""
+def _handle(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A segment output's *handle*: a detached copy (an autograd leaf) that descendants read and whose
+    ``.grad`` collects their gradients. Half-precision outputs (bf16 autocast) get a float32 handle, so the
+    gradients of many children sum in float32."""
     if t is None:
         return None
     t = t.detach()
@@ -58,22 +64,34 @@ def _leaf(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.requires_grad_(True)
 
 
+def _outputs(kv, last_hidden, logps, entropies) -> list[torch.Tensor | None]:
+    """A segment's outputs that descendants read, flattened in one fixed order (K, V of each layer, last hidden
+    state, log-probs, entropies): the order :meth:`_Frame.outputs` and :meth:`_Frame.handles` share."""
+    return [t for pair in kv for t in pair] + [last_hidden, logps, entropies]
+
+
 @dataclass
 class _Frame:
-    """A segment on the stack: its outputs (graph tensors, or no-graph tensors to recompute) and the leaves
-    that its descendants and its sequences' losses read."""
+    """A segment on the stack: its outputs (graph tensors, or no-graph tensors to recompute) and their
+    handles, which its descendants and its sequences' losses read."""
 
     segment: Segment
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [1, kv_heads, L, head_dim]
     last_hidden: torch.Tensor  # [1, 1, D]
     logps: torch.Tensor  # [n scored tokens]
     entropies: torch.Tensor | None
-    kv_leaf: list[tuple[torch.Tensor, torch.Tensor]]
-    last_hidden_leaf: torch.Tensor
-    logps_leaf: torch.Tensor
-    entropies_leaf: torch.Tensor | None
+    kv_in: list[tuple[torch.Tensor, torch.Tensor]]  # handles of the above
+    last_hidden_in: torch.Tensor
+    logps_in: torch.Tensor
+    entropies_in: torch.Tensor | None
     lp_from: int  # log-prob index of logps[0]: the segment scores lp indices [lp_from, segment.end - 1)
     router_term: torch.Tensor | None = None  # MoE: the segment's <v, softmax(router logits)> sum, with graph
+
+    def outputs(self) -> list[torch.Tensor | None]:
+        return _outputs(self.kv, self.last_hidden, self.logps, self.entropies)
+
+    def handles(self) -> list[torch.Tensor | None]:
+        return _outputs(self.kv_in, self.last_hidden_in, self.logps_in, self.entropies_in)
 
 
 class TreeExecutor:
@@ -112,8 +130,6 @@ class TreeExecutor:
         self.batch_tokens = block_size if batch_tokens is None else batch_tokens
         self.pack_leaves = pack_leaves and self.lm.can_pack
         self.device = self.lm.decoder.get_input_embeddings().weight.device
-        self.forward_calls = 0  # counters, for tests and metrics
-        self.forward_tokens = 0
         self._router: RouterGrad | RouterStats | None = None  # set during a walk that reads router logits
 
     # ------------------------------------------------------------------ public API
@@ -241,7 +257,7 @@ class TreeExecutor:
     def _path_scores(stack, logps, ents, leaf_from, seq_from):
         """A sequence's log-probs (and entropies) from its index ``seq_from`` on: the scored part of each
         segment on the stack, then ``logps``/``ents`` of a leaf row (which start at index ``leaf_from``)."""
-        pieces = [(f.logps_leaf, f.entropies_leaf, f.lp_from) for f in stack]
+        pieces = [(f.logps_in, f.entropies_in, f.lp_from) for f in stack]
         if logps is not None:
             pieces.append((logps, ents, leaf_from))
         cut = [max(0, seq_from - first) for _, _, first in pieces]
@@ -262,15 +278,13 @@ class TreeExecutor:
         if not stack:
             return None
         return [
-            [(f.kv_leaf[layer][0].expand(rows, -1, -1, -1), f.kv_leaf[layer][1].expand(rows, -1, -1, -1)) for f in stack]
+            [(f.kv_in[layer][0].expand(rows, -1, -1, -1), f.kv_in[layer][1].expand(rows, -1, -1, -1)) for f in stack]
             for layer in range(self.lm.num_layers)
         ]
 
     def _forward(self, ids: torch.Tensor, start: int, stack: list[_Frame], positions=None, attention_mask=None):
         """Decode ``ids`` [B, L] on the stack's K/V: hidden [B, L, D], new K/V, and (when the walk reads router
         logits) each router layer's logits [B * L, E]."""
-        self.forward_calls += 1
-        self.forward_tokens += ids.numel()
         past = self._past(stack, ids.shape[0])
         if self._router is None:
             return (*self.lm.forward(ids, start, past, positions, attention_mask), None)
@@ -332,7 +346,7 @@ class TreeExecutor:
         router_term = self._route(segment.node, routers)
         if not self._scoring:
             return kv, hidden[:, -1:], hidden.new_zeros(0), None, router_term, segment.end - 1
-        parent_hidden = stack[-1].last_hidden_leaf if stack else None
+        parent_hidden = stack[-1].last_hidden_in if stack else None
         froms = [self._from(segment.node)]
         lps, ents, firsts = self._score([hidden[0]], [ids[0]], segment.start, parent_hidden, temperature, entropies, froms)
         return kv, hidden[:, -1:], lps[0], (ents[0] if entropies else None), router_term, firsts[0]
@@ -344,10 +358,10 @@ class TreeExecutor:
             )
         return _Frame(
             segment, kv, last_hidden, lp, ent,
-            kv_leaf=[(_leaf(k), _leaf(v)) for k, v in kv],
-            last_hidden_leaf=_leaf(last_hidden),
-            logps_leaf=_leaf(lp),
-            entropies_leaf=_leaf(ent),
+            kv_in=[(_handle(k), _handle(v)) for k, v in kv],
+            last_hidden_in=_handle(last_hidden),
+            logps_in=_handle(lp),
+            entropies_in=_handle(ent),
             lp_from=lp_from,
             router_term=router_term if with_graph else None,
         )  # fmt: skip
@@ -356,7 +370,7 @@ class TreeExecutor:
         segments = step.segments
         ids = [self._segment_ids(trie, s) for s in segments]
         start = segments[0].start
-        parent_hidden = stack[-1].last_hidden_leaf if stack else None
+        parent_hidden = stack[-1].last_hidden_in if stack else None
         with torch.set_grad_enabled(grad):
             if len(segments) > 1 and self.pack_leaves:
                 hiddens, routers = self._forward_packed(ids, start, stack)
@@ -410,27 +424,23 @@ class TreeExecutor:
         return list(hidden[0].split(lengths)), per_row
 
     def _pop(self, trie, frame: _Frame, kept_graph: bool, stack, temperature, entropies) -> None:
-        pairs = [(out, leaf) for (k, v), (kl, vl) in zip(frame.kv, frame.kv_leaf) for out, leaf in ((k, kl), (v, vl))]
-        pairs += [
-            (frame.last_hidden, frame.last_hidden_leaf),
-            (frame.logps, frame.logps_leaf),
-            (frame.entropies, frame.entropies_leaf),
-        ]
+        handles = frame.handles()
         router_term = frame.router_term
         has_router = router_term is not None or (not kept_graph and self._router is not None)
-        if not has_router and not any(leaf is not None and leaf.grad is not None for _, leaf in pairs):
+        if not has_router and not any(h is not None and h.grad is not None for h in handles):
             return
-        if not kept_graph:  # chunked backward: recompute the segment, this time with a graph
+        if kept_graph:
+            outputs = frame.outputs()
+        else:  # chunked backward: recompute the segment, this time with a graph
             kv, last_hidden, lp, ent, router_term, _ = self._compute_segment(
                 trie, frame.segment, stack, temperature, entropies
             )
-            outs = [t for pair in kv for t in pair] + [last_hidden, lp, ent]
-            pairs = [(out, leaf) for out, (_, leaf) in zip(outs, pairs, strict=True)]
+            outputs = _outputs(kv, last_hidden, lp, ent)
         outs, grads = [], []
-        for out, leaf in pairs:
-            if leaf is not None and leaf.grad is not None and out.requires_grad:
+        for out, handle in zip(outputs, handles, strict=True):
+            if handle is not None and handle.grad is not None and out.requires_grad:
                 outs.append(out)
-                grads.append(leaf.grad.to(out.dtype))
+                grads.append(handle.grad.to(out.dtype))
         if router_term is not None and router_term.requires_grad:
             outs.append(router_term)
             grads.append(torch.ones_like(router_term))
