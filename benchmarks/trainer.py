@@ -32,7 +32,10 @@ times after one untimed warm-up step of each; medians are reported. Measured per
   (the policy forward/backward; for (c) and (d) the walk, plus TRL's ``_compute_loss`` on detached values for
   its metrics), median over steps;
 * ``logp s``: the no-grad log-prob pass(es) per generation (old log-probs), median;
-* ``tree/time``: the walk alone as TreePPOTrainer logs it (c only).
+* ``tree/time``: the walk alone as TreePPOTrainer logs it (c only);
+* ``peak RSS MiB``: peak resident memory of one ``--steps`` ``train()`` in a fresh process per trainer, minus
+  the process's resident memory once the trainer is built (so the model, TRL and torch themselves are not
+  counted): what training adds on top of them.
 
 How to read ``speedup / dedup``: ``dedup`` = tokens / unique tokens of a micro-batch's rollouts is the speedup
 one would expect if cost were linear in tokens forwarded. ``fwd+bwd`` speedup / dedup is the walk's efficiency
@@ -167,9 +170,40 @@ def run(name, steps, out_dir, case="tau2-ga1", prompt_words=600):  # out_dir: sc
     )  # fmt: skip
 
 
+def peak_rss_mib(name, case, steps, prompt_words):
+    """Peak RSS that ``train()`` adds, measured in a fresh process (see the module docstring)."""
+    import subprocess
+
+    cmd = [sys.executable, __file__, "--memory_of", name, "--case", case, "--steps", str(steps),
+           "--prompt_words", str(prompt_words)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def memory_of(name, case, steps, prompt_words):
+    import resource
+
+    trainer_cls, config_cls, ckpt = TRAINERS[name]
+    batch, accumulation, prompts, tools = CASES[case]
+    config = make_config(tempfile.mkdtemp(prefix="bench_mem_"), config_cls=config_cls,
+                         per_device_train_batch_size=batch, num_generations=8,
+                         gradient_accumulation_steps=accumulation, num_iterations=2, max_steps=steps,
+                         learning_rate=1e-4, gradient_checkpointing=ckpt, disable_tqdm=True)  # fmt: skip
+    dataset = long_prompt_dataset(prompts, prompt_words) if not tools else None
+    trainer = make_trainer(trainer_cls, config, model=tiny_model(seed=0, **MODEL), num_prompts=prompts,
+                           tools=tools, dataset=dataset)  # fmt: skip
+    trainer.remove_callback(PrinterCallback)
+    trainer.bench = {"fwd_bwd": [], "logp": [], "padded": []}
+    with open("/proc/self/statm") as f:
+        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    trainer.train()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(f"{peak - before:.1f}")
+
+
 def print_table(summary, dedup, padded):
     cols = ["trainer", "train s", "step s", "fwd+bwd s", "logp s", "train: c x", "train x/dedup",
-            "fwd+bwd: c x", "fwd+bwd x/dedup"]  # fmt: skip
+            "fwd+bwd: c x", "fwd+bwd x/dedup", "peak RSS MiB"]  # fmt: skip
     c = summary["c: TreePPO"]
     rows = []
     for name, s in summary.items():
@@ -177,7 +211,7 @@ def print_table(summary, dedup, padded):
         ratios = [f"{tr:.2f}x", f"{tr / dedup:.2f}", f"{fb:.2f}x", f"{fb / dedup:.2f}"]
         ratios = ["-"] * 4 if s is c else ratios
         times = [f"{s['train_s']:.2f}", f"{s['step_s']:.2f}", f"{s['fwd_bwd_s']:.3f}", f"{s['logp_s']:.3f}"]
-        rows.append([name, *times, *ratios])
+        rows.append([name, *times, *ratios, f"{s.get('rss_mib', float('nan')):.0f}"])
     cells = [cols] + rows
     widths = [max(len(r[i]) for r in cells) for i in range(len(cols))]
     for i, r in enumerate(cells):
@@ -217,6 +251,7 @@ def main():
     ap.add_argument("--case", choices=sorted(CASES), default="tau2-ga1")
     ap.add_argument("--prompt_words", type=int, default=600, help="filler words of long-prompt-ga4's prompt")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out"))
+    ap.add_argument("--memory_of", help=argparse.SUPPRESS)  # internal: one trainer's peak RSS, fresh process
     args = ap.parse_args()
     args.steps = args.steps or (2 if args.quick else 4)
     args.repeats = args.repeats or (1 if args.quick else 2)
@@ -228,6 +263,8 @@ def main():
     transformers.utils.logging.disable_progress_bar()
     for name in ("trl", "accelerate", "datasets"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    if args.memory_of:
+        return memory_of(args.memory_of, args.case, args.steps, args.prompt_words)
     load_before = os.getloadavg()[0]
     if load_before > 0.5:
         print(f"warning: 1-min load average is {load_before:.1f} before starting; timings will be noisy")
@@ -249,6 +286,8 @@ def main():
 
     keys = ("train_s", "step_s", "fwd_bwd_s", "logp_s", "tree_time_s")
     summary = {n: {k: statistics.median(r[k] for r in rs) for k in keys} for n, rs in runs.items()}
+    for name in summary:
+        summary[name]["rss_mib"] = peak_rss_mib(name, args.case, args.steps, args.prompt_words)
     c_run = runs["c: TreePPO"][0]
     dedup, padded = statistics.mean(c_run["dedup_ratio"]), runs["a: GRPO"][0]["padded_ratio"]
     paddings = {n: rs[0]["padded_ratio"] for n, rs in runs.items()}

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "vespo", "luspo")
+ROW_NORMALISED = ("grpo", "sapo", "luspo", "dr_grpo")  # loss types whose normaliser counts the rows
 
 
 def loss_mask(inputs: dict) -> torch.Tensor:

@@ -32,7 +32,7 @@ from . import distributed
 from .config import TreePPOConfig
 from .executor import TreeExecutor
 from .gradient_check import GradientCheck
-from .losses import LossSettings, RowLoss, loss_mask
+from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
 from .router_loss import load_balancing_loss, node_weights
 from .rows import batch_rows
 from .trie import PrefixTrie
@@ -44,13 +44,14 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatia
 @dataclass
 class _Walked:
     """One micro-batch's share of a walk: TRL-shaped (B, T) log-probs and entropies (detached), the MoE aux
-    value, and the sum of its row losses (plus the aux term) with the sum of their magnitudes."""
+    value, the sum of its row losses and of their magnitudes, and its aux term (coefficient applied)."""
 
     logps: torch.Tensor
     entropies: torch.Tensor
     aux: torch.Tensor | None
-    total: float
+    policy: float
     magnitude: float
+    aux_term: float = 0.0
 
 
 class TreePPOTrainer(GRPOTrainer):
@@ -275,7 +276,7 @@ class TreePPOTrainer(GRPOTrainer):
         entropies = [torch.zeros(s, device=device) for s in shapes]
         totals = [[] for _ in batches]
         magnitudes = [[] for _ in batches]
-        auxes = [None] * len(batches)
+        auxes, aux_terms = [None] * len(batches), [0.0] * len(batches)
         score_from = [p - 1 for _, _, p in owners]  # the completion's log-probs: positions after the prompt
         executor = self._executor(model) if trie is not None else None
 
@@ -306,7 +307,7 @@ class TreePPOTrainer(GRPOTrainer):
             with self.accelerator.autocast():
                 router_grad = None
                 if self.aux_loss_enabled:  # MoE: TRL's load-balancing loss, exactly (trl_dta/router_loss.py)
-                    router_grad = self._router_grad(executor, trie, owners, len(batches), training, auxes, totals)
+                    router_grad = self._router_grad(executor, trie, owners, len(batches), training, auxes, aux_terms)
                 if training:
                     executor.backward(
                         trie, loss_fn, self.temperature, entropies=True, router_grad=router_grad, score_from=score_from
@@ -323,13 +324,13 @@ class TreePPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             auxes = [torch.zeros((), device=device) if a is None else a for a in auxes]
         return [
-            _Walked(lp, ent, aux, float(sum(t.double() for t in tot)), float(sum(m.double() for m in mag)))
-            for lp, ent, aux, tot, mag in zip(logps, entropies, auxes, totals, magnitudes, strict=True)
+            _Walked(lp, ent, aux, float(sum(t.double() for t in tot)), float(sum(m.double() for m in mag)), term)
+            for lp, ent, aux, tot, mag, term in zip(logps, entropies, auxes, totals, magnitudes, aux_terms, strict=True)
         ]
 
-    def _router_grad(self, executor, trie, owners, num_batches, training, auxes, totals):
-        """Each micro-batch's load-balancing loss (into ``auxes``, its scaled value into ``totals``) and the
-        summed per-node vectors the walk backpropagates."""
+    def _router_grad(self, executor, trie, owners, num_batches, training, auxes, aux_terms):
+        """Each micro-batch's load-balancing loss (into ``auxes``, times its coefficient into ``aux_terms``)
+        and the summed per-node vectors the walk backpropagates."""
         stats = executor.router_stats(trie)
         scale = self.router_aux_loss_coef / (self.current_gradient_accumulation_steps if training else 1)
         router_grad = {}
@@ -338,7 +339,7 @@ class TreePPOTrainer(GRPOTrainer):
             if not weights:
                 continue
             auxes[b], v = load_balancing_loss(stats, weights, executor.lm.num_experts)
-            totals[b].append(scale * auxes[b].double())
+            aux_terms[b] = scale * float(auxes[b])
             for node, x in v.items():
                 router_grad[node] = router_grad.get(node, 0) + scale * x
         return router_grad
@@ -348,17 +349,20 @@ class TreePPOTrainer(GRPOTrainer):
         walk's row losses: a guard against TRL changing its loss under ``RowLoss``."""
         with self._serve_detached(walked.logps, walked.entropies, walked.aux):
             loss = GRPOTrainer._compute_loss(self, model, inputs).detach()
-        rows = inputs["completion_mask"].shape[0]
-        if self._repartition and self.model.training and rows != self.args.per_device_train_batch_size:
-            # zero-weight padding rows make TRL's row-counting normalisers differ from the configured ones:
-            # the objective is the row losses' (see distributed.py), so that is the value returned
-            return torch.tensor(walked.total, device=loss.device, dtype=loss.dtype)
-        if abs(float(loss) - walked.total) > 1e-4 * walked.magnitude + 1e-7:  # fp32 rounding of a sum of terms
+        total = walked.policy + walked.aux_term
+        expected = total  # what TRL's _compute_loss must give on these values
+        rows, configured = inputs["completion_mask"].shape[0], self.args.per_device_train_batch_size
+        padded = self._repartition and self.model.training and rows != configured
+        if padded and self.loss_type in ROW_NORMALISED:
+            # zero-weight padding rows: TRL divides by the padded row count, the walk by the configured one
+            # (which keeps stock TRL's global objective, see distributed.py)
+            expected = walked.policy * configured / rows + walked.aux_term
+        if abs(float(loss) - expected) > 1e-4 * walked.magnitude + 1e-7:  # fp32 rounding of a sum of terms
             raise RuntimeError(
                 f"TRL's loss on the walk's log-probs ({float(loss):.8g}) differs from the sum of the per-row losses "
-                f"({walked.total:.8g}): trl_dta's RowLoss no longer mirrors this TRL version's loss."
+                f"({expected:.8g}): trl_dta's RowLoss no longer mirrors this TRL version's loss."
             )
-        return loss
+        return torch.tensor(total, device=loss.device, dtype=loss.dtype) if padded else loss
 
     @contextmanager
     def _serve_detached(self, logps, entropies, aux):
