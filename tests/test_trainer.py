@@ -213,3 +213,18 @@ def test_lexicographic_steps_keep_groups_in_one_optimizer_step(tmp_path, model_d
     assert len(prompts[0] | prompts[1] | prompts[2] | prompts[3]) == 2  # step 1: two whole groups
     assert len(prompts[4] | prompts[5] | prompts[6] | prompts[7]) == 2
     assert trainer.state.log_history[0]["tree/check_error"] <= 1e-4
+
+
+def test_compute_loss_on_a_micro_batch_of_its_own_equals_stock_trl(tmp_path, model_dir):
+    """compute_loss called directly (not on TRL's buffered micro-batch) walks that micro-batch alone."""
+    stock = make_trainer(ScriptedGRPOTrainer, make_config(tmp_path / "s"), model=model_dir)
+    tree = make_trainer(TreeScripted, make_config(tmp_path / "t", config_cls=TreePPOConfig), model=model_dir)
+    grads = []
+    for trainer in (stock, tree):
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop
+        batch = trainer._generate_and_score_completions(trainer.train_dataset.to_list()[:1] * 4)
+        loss = trainer.compute_loss(trainer.model, batch)
+        trainer.accelerator.backward(loss)
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+    assert max_rel_diff(grads[1], grads[0]) <= TOL

@@ -232,11 +232,13 @@ class TreePPOTrainer(GRPOTrainer):
     def _walked_in_step(self, model, inputs) -> _Walked:
         """This micro-batch's share of the walk of its optimizer step: at the step's first micro-batch, walk
         every micro-batch of the step that TRL has buffered (a step that runs past the end of a generation
-        batch is walked in two parts), then serve the results one micro-batch at a time."""
+        batch is walked in two parts), then serve the results one micro-batch at a time. A micro-batch that
+        is not TRL's buffered one (``compute_loss`` called directly, a custom ``_prepare_inputs``) is walked
+        on its own: the same gradient, less sharing."""
         index = self._step % self.args.steps_per_generation
         buffered = self._buffered_inputs
         if buffered is None or index >= len(buffered) or buffered[index] is not inputs:
-            raise RuntimeError("TreePPOTrainer walks TRL's buffered micro-batches; _prepare_inputs returned another.")
+            return self._walk(model, [inputs], training=True)[0]
         if index not in self._tree_pending:
             remaining = self.current_gradient_accumulation_steps - self._tree_position
             group = buffered[index : index + remaining]
