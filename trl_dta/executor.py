@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .causal_lm import CausalLM
+from .model_checks import packed_inputs
 from .plan import Leaves, Pop, Push, Segment, build_plan
 from .trie import PrefixTrie
 
@@ -66,7 +67,9 @@ class TreeExecutor:
         lm_head_fp32: compute the LM head projection in float32 (TRL's ``cast_lm_head_to_fp32``).
         pack_leaves: forward a batch of sibling leaves as one packed row with a block-diagonal causal mask
             (no padding, the shared past not replicated per leaf) where the attention backend takes a custom
-            mask (eager, sdpa); otherwise, or with False, as a right-padded batch.
+            mask (eager, sdpa) and the construction probe finds packing exact for the model (no attention
+            window, no bias built from key indices such as ALiBi); otherwise, or with False, as a right-padded
+            batch.
 
     Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
     HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
@@ -252,19 +255,12 @@ class TreeExecutor:
         its own leaf (a block-diagonal causal mask), and positions restart at ``start`` for every leaf. No
         padding, and the past K/V is not replicated per leaf."""
         lengths = [t.numel() for t in ids]
-        total = sum(lengths)
-        leaf = torch.repeat_interleave(torch.arange(len(ids), device=self.device), torch.tensor(lengths, device=self.device))
-        offsets = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        same_leaf_causal = (leaf[:, None] == leaf[None, :]) & (offsets[:, None] >= offsets[None, :])
-        visible = torch.cat([same_leaf_causal.new_ones(total, start), same_leaf_causal], dim=1)
-        dtype = self.lm.lm_head.weight.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(~visible, torch.finfo(dtype).min)
+        positions, mask = packed_inputs(lengths, start, self.lm.lm_head.weight.dtype, self.device)
         self.forward_calls += 1
-        self.forward_tokens += total
+        self.forward_tokens += sum(lengths)
         hidden, _ = self.lm.forward(
-            torch.cat(ids)[None], start, self._past(stack, 1), positions=(start + offsets)[None],
-            attention_mask=mask[None, None],
-        )  # fmt: skip
+            torch.cat(ids)[None], start, self._past(stack, 1), positions=positions, attention_mask=mask
+        )
         return list(hidden[0].split(lengths))
 
     def _pop(self, trie, frame: _Frame, kept_graph: bool, stack, temperature, entropies) -> None:
