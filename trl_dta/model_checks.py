@@ -20,6 +20,7 @@ if nothing in the model depends on how the sequence was cut. What can break it, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 PROBE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 # layer kinds (transformers' cache layer types) whose state is not a plain K/V cache
 _STATEFUL_LAYERS = ("conv", "linear", "mamba", "hybrid", "recurrent", "ssm", "rwkv", "lstm", "deltanet")
+# layer kinds that keep extra per-token caches next to K/V (sparse-attention indexers, compressed attention)
+_INDEXED_LAYERS = ("indexed", "compressed")
 
 
 def layer_types(config) -> list[str]:
@@ -65,7 +68,14 @@ def attention_window(config) -> tuple[int | None, str]:
 
 def check_stateful_layers(config, name: str) -> None:
     """Refuse layers whose cache is not K/V (state-space, linear attention, short convolutions)."""
-    kinds = sorted({k for k in layer_types(config) if any(s in str(k).lower() for s in _STATEFUL_LAYERS)})
+    types = layer_types(config)
+    indexed = sorted({k for k in types if any(s in str(k).lower() for s in _INDEXED_LAYERS)})
+    if indexed:
+        raise ValueError(
+            f"{name} has layers of kind {indexed}: sparse or compressed attention keeps extra caches next to K/V "
+            "(a top-k indexer's keys, compressed blocks) that the tree walk does not manage; not supported."
+        )
+    kinds = sorted({k for k in types if any(s in str(k).lower() for s in _STATEFUL_LAYERS)})
     if kinds:
         raise ValueError(
             f"{name} has layers of kind {kinds}: state-space / linear-attention / convolution layers keep a "
@@ -114,6 +124,23 @@ def packed_inputs(lengths: list[int], start: int, dtype, device) -> tuple[torch.
     return (start + offsets)[None], mask[None, None]
 
 
+@contextlib.contextmanager
+def _unsupported_on_failure(name: str):
+    """Turn a model's failure on a given cache into a refusal; refusals raised by CausalLM pass unchanged."""
+    try:
+        yield
+    except Exception as e:
+        tb = e.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        if isinstance(e, ValueError) and tb.tb_frame.f_code.co_filename.endswith("causal_lm.py"):
+            raise
+        raise ValueError(
+            f"{name} fails when run on a given KV cache ({type(e).__name__}: {e}). Models whose layers keep "
+            "another state than K/V (state-space, linear attention), or that cannot take a cache, are not supported."
+        ) from e
+
+
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
@@ -152,17 +179,18 @@ def probe(lm, try_packing: bool) -> bool:
             f"{name} is not causal: its outputs at a position change with later tokens ({err:.2e} {where}), as in "
             "an encoder or a model configured without a causal mask (e.g. is_decoder=False); not supported."
         )
-    try:
+    with _unsupported_on_failure(name):
         hidden, past = lm.forward(ids(prefix), 0, None)
-        err = _rel(logits(hidden), dense_prefix)
-        if not err <= tolerance:
-            raise ValueError(
-                f"{name}: its decoder + LM head (with the config's logit scale and soft-capping) differs from the "
-                f"dense forward by {err:.2e} {where}: the model transforms its logits in a way the tree walk does "
-                "not reproduce; not supported."
-            )
-        errs = []
-        for leaf, ref in zip(leaves, dense_leaves):
+    err = _rel(logits(hidden), dense_prefix)
+    if not err <= tolerance:
+        raise ValueError(
+            f"{name}: its decoder + LM head (with the config's logit scale and soft-capping) differs from the "
+            f"dense forward by {err:.2e} {where}: the model transforms its logits in a way the tree walk does "
+            "not reproduce; not supported."
+        )
+    errs = []
+    with _unsupported_on_failure(name):
+        for leaf, ref in zip(leaves, dense_leaves):  # one leaf at a time, then as a right-padded batch
             hidden, _ = lm.forward(ids(leaf), len(prefix), past)
             errs.append(_rel(logits(hidden), ref[len(prefix) :]))
         batch = torch.zeros(len(leaves), max(map(len, leaves)), dtype=torch.long, device=device)
@@ -171,16 +199,7 @@ def probe(lm, try_packing: bool) -> bool:
         rows = [(k.expand(len(leaves), -1, -1, -1), v.expand(len(leaves), -1, -1, -1)) for k, v in past]
         hidden, _ = lm.forward(batch, len(prefix), rows)
         for row, (leaf, ref) in enumerate(zip(leaves, dense_leaves)):
-            errs.append(
-                _rel(lm.logits(hidden[row : row + 1, : len(leaf)], 1.0)[0].double(), ref[len(prefix) :])
-            )
-    except ValueError:
-        raise
-    except Exception as e:  # any failure on a cached prefix means the model is unsupported
-        raise ValueError(
-            f"{name} fails when run on a given KV cache ({type(e).__name__}: {e}). Models whose layers keep "
-            "another state than K/V (state-space, linear attention), or that cannot take a cache, are not supported."
-        ) from e
+            errs.append(_rel(logits(hidden[row : row + 1, : len(leaf)]), ref[len(prefix) :]))
     err = max(errs)
     if not err <= tolerance:
         raise ValueError(
