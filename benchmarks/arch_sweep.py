@@ -50,7 +50,7 @@ TOLERANCE = {torch.float64: (1e-6, 1e-5), torch.float32: (1e-4, 1e-3)}  # (log-p
 TINY = dict(  # noqa: C408 - keyword style keeps the long list readable
     vocab_size=VOCAB, hidden_size=32, d_model=32, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
     encoder_attention_heads=4, decoder_ffn_dim=48, encoder_ffn_dim=48, num_layers=2, ffn_hidden_size=48,
-    n_positions=256, num_heads=4, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    n_positions=256, num_heads=4, rotary_dim=4, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     head_dim=8, intermediate_size=48, max_position_embeddings=256, initializer_range=0.2,
     # MoE
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -63,6 +63,10 @@ TINY = dict(  # noqa: C408 - keyword style keeps the long list readable
     # no dropout anywhere (the walk refuses active dropout; the models run in eval mode anyway)
     tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     attention_types=[[["global", "local"], 1]],  # GPT-Neo: one global, one local layer
+    # per-layer embeddings (Gemma 3n/4), linear attention heads, other spellings of the sizes
+    vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=0,
+    activation_sparsity_pattern=None, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+    linear_num_value_heads=4, ffn_dim=48, attention_heads=4,
 )  # fmt: skip
 
 # Cases beyond each model type's defaults: the settings that change what the walk must do.
@@ -88,6 +92,10 @@ EXTRA_CASES = {
         },
     ),
     "lfm2 (conv layers)": ("lfm2", {"layer_types": ["conv", "full_attention"]}),
+    "gemma3n_text (KV sharing)": (
+        "gemma3n_text",
+        {"num_hidden_layers": 4, "num_kv_shared_layers": 2, "layer_types": None},
+    ),
 }
 # the quick subset of the default test run: one of each kind of behaviour
 QUICK = [
@@ -97,6 +105,10 @@ QUICK = [
 ]  # fmt: skip
 LORA = {"llama", "qwen3", "mistral", "gpt2", "mpt", "gemma2"}
 SECONDS_PER_CHECK = 30  # a model whose tiny build or check takes longer is reported as not built
+# model types whose default config does not build a model without a few more settings
+TYPE_OVERRIDES = {
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+}
 
 
 @dataclass
@@ -123,10 +135,14 @@ def causal_lm_types() -> list[str]:
 
 def tiny_config(model_type: str, **overrides):
     """The config class's defaults with the sizes of ``TINY`` (only keys it knows) and ``overrides``."""
+    import transformers
     from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     default = AutoConfig.for_model(model_type)
-    default = default.get_text_config() if model_type not in ("gpt2",) else default
+    model_cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+    if not isinstance(default, model_cls.config_class):  # a composite config: the LM takes its text part
+        default = default.get_text_config(decoder=True)
     cls = type(default)
     kwargs = {k: v for k, v in {**TINY, **overrides}.items() if _knows(default, k)}
     if "qk_rope_head_dim" in kwargs and "head_dim" in kwargs:  # MLA: the rotary part is head_dim wide
@@ -163,20 +179,23 @@ def _knows(config, key: str) -> bool:
 
 
 def build(model_type: str, dtype, attn: str, seed: int = 0, **overrides):
-    from transformers import AutoModelForCausalLM
+    """The auto mapping's causal-LM class for ``model_type`` on its tiny text config, in ``dtype``, eval mode."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    config = tiny_config(model_type, **overrides)
+    config = tiny_config(model_type, **{**TYPE_OVERRIDES.get(model_type, {}), **overrides})
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # float64 needs eager MoE experts (torch's grouped_mm takes no float64)
         experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
         try:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, **experts)
+            model = cls._from_config(config, attn_implementation=attn, **experts)
         except (ValueError, TypeError) as e:
             if not experts or "expert" not in str(e):
                 raise
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+            model = cls._from_config(config, attn_implementation=attn)
     return model.to(dtype).eval()
 
 
@@ -277,8 +296,8 @@ def check(
         ref_lp, ref_grads = dense(model, seqs, loss_fn)
     except Exception as e:  # noqa: BLE001
         result.verdict, result.detail = (
-            "no tiny build",
-            f"dense forward fails: {type(e).__name__}: {_short(e)}",
+            "n/a",
+            f"the model's own forward fails: {type(e).__name__}: {_short(e)}",
         )
         return result
     if result.verdict == "CRASH":
@@ -385,12 +404,12 @@ def summarize(results: list[Result]) -> tuple[str, str]:
     if verdicts & {"WRONG", "CRASH"}:
         bad = next(r for r in results if r.verdict in ("WRONG", "CRASH"))
         return bad.verdict, f"{bad.variant}: {bad.detail or ''} {bad.long}".strip()
-    if verdicts == {"no tiny build"}:
-        return "not built", results[0].detail
+    if verdicts <= {"no tiny build"}:
+        return "not built", _short(results[0].detail.replace("_Timeout: ", "too slow for a tiny build: "), 90)
     if verdicts == {"exact"}:
         notes = []
         if not all(r.extra.get("packed", True) for r in results):
-            notes.append("sibling leaves padded, not packed")
+            notes.append("padded")
         longs = {r.long for r in results if r.long}
         if any(x.startswith("refused") for x in longs):
             notes.append(_reason(next(x for x in longs if x.startswith("refused"))))
@@ -398,9 +417,14 @@ def summarize(results: list[Result]) -> tuple[str, str]:
             r for r in results if r.verdict == "exact"
         ]
         lp, grad = max(r.logp_err for r in fp64), max(r.grad_err for r in fp64)
-        unavailable = [r.variant for r in results if r.verdict == "n/a"]
-        if unavailable:
-            notes.append(f"{', '.join(sorted({v.split()[1] for v in unavailable}))} not offered by the model")
+        attn = sorted(
+            {r.variant.split()[1] for r in results if r.verdict == "n/a" and "not supported" in r.detail}
+        )
+        if attn:
+            notes.append(f"{', '.join(attn)} not offered by the model")
+        fails = [r for r in results if r.verdict == "n/a" and "own forward fails" in r.detail]
+        if fails:
+            notes.append(f"the model's own forward fails in {', '.join(sorted({r.variant for r in fails}))}")
         return "exact", f"fp64 error {lp:.0e} / {grad:.0e}" + "".join(f"; {n}" for n in notes)
     if verdicts == {"refused"}:
         return "refused", _reason(results[0].detail)
@@ -411,12 +435,17 @@ def _reason(message: str) -> str:
     """The cause part of a refusal message, short enough for a table cell."""
     message = message.removeprefix("refused: ")
     rules = [
+        (
+            "sparse or compressed attention",
+            "sparse-indexer / compressed attention layers (caches other than K/V)",
+        ),
         ("model's local attention", "sequences longer than the local attention window refused"),
         ("model's sliding window", "sequences longer than the sliding window refused"),
         ("model's chunked attention", "sequences longer than the attention chunk refused"),
         ("is not causal", "not causal (encoder / bidirectional attention)"),
         ("keep a recurrent state", "hybrid / state-space layers (state other than K/V)"),
         ("fails when run on a given KV cache", "fails on a given KV cache"),
+        ("own forward fails on a plain input", "the model's own forward needs more than token ids"),
         ("layers wrote to the KV cache", "layers share or skip K/V"),
         ("ignores the passed KV cache", "cached forward differs from dense"),
         ("transforms its logits", "logit transform not reproduced"),
@@ -428,21 +457,38 @@ def _reason(message: str) -> str:
 
 
 def readme_table(rows: dict[str, tuple[str, str]]) -> str:
+    """Model types grouped by verdict and notes (float64 errors: the group's largest)."""
     import transformers
 
-    counts = {}
+    groups: dict[tuple[str, str], list] = {}
+    for label, (verdict, note) in rows.items():
+        errors = re.match(r"fp64 error ([^ ;]+) / ([^ ;]+)(; )?", note)
+        key = (verdict, note[errors.end() :] if errors else note)
+        groups.setdefault(key, []).append((label, errors.groups()[:2] if errors else None))
+    counts: dict[str, int] = {}
     for verdict, _ in rows.values():
         counts[verdict] = counts.get(verdict, 0) + 1
-    head = (
+    order = {"WRONG": 0, "CRASH": 1, "mixed": 2, "exact": 3, "refused": 4, "not built": 5}
+    lines = [
         f"Generated by `python benchmarks/arch_sweep.py --readme README.md` (transformers "
-        f"{transformers.__version__}, torch {torch.__version__}): "
-        + ", ".join(f"{n} {v}" for v, n in sorted(counts.items(), key=lambda x: -x[1]))
-        + ". Errors are the largest relative log-prob / gradient error in float64.\n\n"
-    )
-    lines = ["| model type | verdict | notes |", "|---|---|---|"]
-    for label, (verdict, note) in rows.items():
-        lines.append(f"| `{label}` | {verdict} | {note.replace('|', '/')} |")
-    return head + "\n".join(lines) + "\n"
+        f"{transformers.__version__}, torch {torch.__version__}, {len(rows)} cases: "
+        + ", ".join(f"{n} {v}" for v, n in sorted(counts.items(), key=lambda x: order.get(x[0], 9)))
+        + "), each in float64 and float32 with eager and sdpa attention, and with LoRA (r=4, all linear layers) "
+        + f"on {', '.join(f'`{t}`' for t in sorted(LORA))}. Errors: the largest relative log-prob / gradient "
+        "error in float64 over the group; 'padded' means sibling leaves are forwarded as a padded batch "
+        "because packing them into one row would not be exact for the model.",
+        "",
+        "| verdict | notes | model types |",
+        "|---|---|---|",
+    ]
+    for (verdict, note), members in sorted(groups.items(), key=lambda g: (order.get(g[0][0], 9), -len(g[1]))):
+        errs = [e for _, e in members if e]
+        if errs:
+            worst = f"errors ≤ {max(float(a) for a, _ in errs):.0e} / {max(float(b) for _, b in errs):.0e}"
+            note = f"{worst}; {note}" if note else worst
+        names = ", ".join(f"`{label}`" for label, _ in sorted(members))
+        lines.append(f"| {verdict} | {note.replace('|', '/')} | {names} |")
+    return "\n".join(lines) + "\n"
 
 
 def write_readme(path: str, table: str) -> None:
@@ -477,11 +523,14 @@ def main(argv=None) -> int:
     names = args.only.split(",") if args.only else (QUICK if args.quick else None)
     results, rows = [], {}
     if args.merge:
-        merged = [Result(**r) for f in args.merge for r in json.loads(Path(f).read_text())]
-        for label in cases(names):
-            case = [r for r in merged if r.model_type == label]
-            if case:
-                rows[label] = summarize(case)
+        by_label = {}  # a later file's results for a case replace an earlier file's
+        for f in args.merge:
+            shard_results = [Result(**r) for r in json.loads(Path(f).read_text())]
+            by_label |= {
+                r.model_type: [x for x in shard_results if x.model_type == r.model_type]
+                for r in shard_results
+            }
+        rows = {label: summarize(by_label[label]) for label in cases(names) if label in by_label}
         write_readme(args.readme, readme_table(rows))
         return 0
     shard, shards = map(int, args.shard.split("/"))

@@ -171,8 +171,13 @@ def probe(lm, try_packing: bool) -> bool:
     def logits(hidden):
         return lm.logits(hidden, 1.0)[0].to(torch.float64)
 
-    dense_leaves = [dense(prefix + leaf) for leaf in leaves]
-    dense_prefix = dense(prefix)
+    try:
+        dense_leaves = [dense(prefix + leaf) for leaf in leaves]
+        dense_prefix = dense(prefix)
+    except Exception as e:
+        raise ValueError(
+            f"{name}'s own forward fails on a plain input of token ids ({type(e).__name__}: {e}); not supported."
+        ) from e
     err = _rel(dense_prefix, dense_leaves[0][: len(prefix)])
     if not err <= tolerance:
         raise ValueError(
