@@ -1,25 +1,33 @@
 """Architecture sweep: every causal LM of transformers' auto mapping, tiny and random, tree walk vs dense.
 
     python benchmarks/arch_sweep.py [--only llama,mistral] [--quick] [--readme README.md] [--json out.json]
+    # in parallel, then the README table from the shards:
+    python benchmarks/arch_sweep.py --shard 0/2 --json s0.json &
+    python benchmarks/arch_sweep.py --shard 1/2 --json s1.json; wait
+    python benchmarks/arch_sweep.py --merge s0.json s1.json --readme README.md
 
-For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` a tiny config is built from the config
-class's defaults (2 layers, hidden 32, 4 heads, vocab 96, small MoE/MLA/window sizes), then, per variant
+For each ``model_type`` in ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` (and ``EXTRA_CASES``: ALiBi, windows,
+length-dependent RoPE, KV sharing) a tiny config is built from the config class's defaults (2 layers,
+hidden 32, 4 heads, vocab 96, small MoE/MLA sizes, windows and chunks of 16 tokens), then, per variant
 (float64 and float32; eager and sdpa attention; LoRA on a few families):
 
 * ``TreeExecutor(model)``: a ``ValueError`` here is a refusal (its message is the reason);
-* log-probs and gradients of a sequence-level loss over a small trie (a shared prefix, sibling leaves that
-  get packed, a sequence that is a prefix of another, a duplicate, block size 3 so chunked backward runs)
-  against the model's own dense forward/backward per sequence;
+* log-probs and gradients of a sequence-level loss over a small trie (a shared prefix, sibling leaves whose
+  packed row is longer than the window, a sequence that is a prefix of another, a duplicate), walked with
+  block size 4 (chunked backward) and with one big block (packed leaves), against the model's own dense
+  forward/backward per sequence;
 * sequences longer than the model's attention window: refused at the call, or exact.
 
 Verdicts: ``exact`` (float64: log-prob error <= 1e-6 and gradient error <= 1e-5, relative to the largest
-value, per tensor; float32: 1e-4 / 1e-3), ``refused`` (with the reason), ``no tiny build`` (the config or model
-does not build, or is not a decoder-only causal LM on text: encoder-decoders, vision models, ...) and
+value, per tensor; float32: 1e-4 / 1e-3), ``refused`` (with the reason), ``not built`` (the generic tiny
+config does not make a working model of that type: composite vision/audio models too slow to build,
+configs with extra constraints; it says nothing about the walk), ``n/a`` for a variant the model itself
+does not run (an attention implementation it does not offer, a dtype its own forward fails in) and
 ``WRONG`` / ``CRASH`` (a bug: the walk ran and gave a different answer, or raised something else). HF
 computes some attention internals in float32 even in a float64 model, so float64 errors of ~1e-7 are
 expected; the tolerances above sit well above that and far below a structural mistake (>= 1e-3).
 
-``--readme`` rewrites the table between the ``<!-- arch-sweep -->`` markers of the README.
+``--readme`` rewrites the table between the ``<!-- arch-sweep:begin/end -->`` markers of the README.
 """
 
 from __future__ import annotations
@@ -48,10 +56,11 @@ TOLERANCE = {torch.float64: (1e-6, 1e-5), torch.float32: (1e-4, 1e-3)}  # (log-p
 
 # Shrunk sizes; a key is set only if the config class knows it (``attribute_map`` aliases included).
 TINY = dict(  # noqa: C408 - keyword style keeps the long list readable
-    vocab_size=VOCAB, hidden_size=32, d_model=32, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
-    encoder_attention_heads=4, decoder_ffn_dim=48, encoder_ffn_dim=48, num_layers=2, ffn_hidden_size=48,
-    n_positions=256, num_heads=4, rotary_dim=4, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=8, intermediate_size=48, max_position_embeddings=256, initializer_range=0.2,
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    # other spellings (encoder-decoder style, GPT-J style)
+    d_model=32, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
+    decoder_ffn_dim=48, encoder_ffn_dim=48, num_layers=2, ffn_hidden_size=48, n_positions=256, num_heads=4,
+    rotary_dim=4, head_dim=8, intermediate_size=48, max_position_embeddings=256, initializer_range=0.2,
     # MoE
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
     n_shared_experts=1, shared_expert_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1,
@@ -179,7 +188,7 @@ def _knows(config, key: str) -> bool:
 
 
 def build(model_type: str, dtype, attn: str, seed: int = 0, **overrides):
-    """The auto mapping's causal-LM class for ``model_type`` on its tiny text config, in ``dtype``, eval mode."""
+    """The auto mapping's causal-LM class for ``model_type`` on its tiny config, in ``dtype``, eval mode."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -473,9 +482,9 @@ def readme_table(rows: dict[str, tuple[str, str]]) -> str:
         f"Generated by `python benchmarks/arch_sweep.py --readme README.md` (transformers "
         f"{transformers.__version__}, torch {torch.__version__}, {len(rows)} cases: "
         + ", ".join(f"{n} {v}" for v, n in sorted(counts.items(), key=lambda x: order.get(x[0], 9)))
-        + "), each in float64 and float32 with eager and sdpa attention, and with LoRA (r=4, all linear layers) "
-        + f"on {', '.join(f'`{t}`' for t in sorted(LORA))}. Errors: the largest relative log-prob / gradient "
-        "error in float64 over the group; 'padded' means sibling leaves are forwarded as a padded batch "
+        + "), each in float64 and float32 with eager and sdpa attention, and with LoRA (r=4, all linear "
+        + f"layers) on {', '.join(f'`{t}`' for t in sorted(LORA))}. Errors: the largest relative log-prob / "
+        "gradient error in float64 over the group; 'padded' means sibling leaves are forwarded as a padded batch "
         "because packing them into one row would not be exact for the model.",
         "",
         "| verdict | notes | model types |",
@@ -514,12 +523,24 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--merge", nargs="*", default=[], help="JSON files of shards: only write the table")
     args = parser.parse_args(argv)
-    logging.disable(logging.WARNING)
-    warnings.simplefilter("ignore")
     from transformers.utils import logging as hf_logging
 
+    # quiet and single-threaded while sweeping (tiny models); restored after: the slow test runs in-process
+    saved = logging.root.manager.disable, hf_logging.get_verbosity(), torch.get_num_threads()
+    logging.disable(logging.WARNING)
     hf_logging.set_verbosity(logging.CRITICAL)
     torch.set_num_threads(1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return _sweep(args)
+    finally:
+        logging.disable(saved[0])
+        hf_logging.set_verbosity(saved[1])
+        torch.set_num_threads(saved[2])
+
+
+def _sweep(args) -> int:
     names = args.only.split(",") if args.only else (QUICK if args.quick else None)
     results, rows = [], {}
     if args.merge:

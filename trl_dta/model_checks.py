@@ -53,7 +53,7 @@ def layer_types(config) -> list[str]:
 
 
 def attention_window(config) -> tuple[int | None, str]:
-    """The shortest attention window or chunk of any layer, and its kind (for messages); (None, "") if none."""
+    """The shortest attention window or chunk of any layer and its kind (for messages), or (None, "")."""
     windows = []
     for kind in set(layer_types(config)):
         if "sliding" in kind and getattr(config, "sliding_window", None):
@@ -72,15 +72,16 @@ def check_stateful_layers(config, name: str) -> None:
     indexed = sorted({k for k in types if any(s in str(k).lower() for s in _INDEXED_LAYERS)})
     if indexed:
         raise ValueError(
-            f"{name} has layers of kind {indexed}: sparse or compressed attention keeps extra caches next to K/V "
-            "(a top-k indexer's keys, compressed blocks) that the tree walk does not manage; not supported."
+            f"{name} has layers of kind {indexed}: sparse or compressed attention keeps extra caches next "
+            "to K/V (a top-k indexer's keys, compressed blocks) that the tree walk does not manage; not "
+            "supported."
         )
     kinds = sorted({k for k in types if any(s in str(k).lower() for s in _STATEFUL_LAYERS)})
     if kinds:
         raise ValueError(
             f"{name} has layers of kind {kinds}: state-space / linear-attention / convolution layers keep a "
-            "recurrent state, not K/V, and the tree walk only caches K/V; hybrid and state-space models are not "
-            "supported."
+            "recurrent state, not K/V, and the tree walk only caches K/V; hybrid and state-space models are "
+            "not supported."
         )
 
 
@@ -136,8 +137,9 @@ def _unsupported_on_failure(name: str):
         if isinstance(e, ValueError) and tb.tb_frame.f_code.co_filename.endswith("causal_lm.py"):
             raise
         raise ValueError(
-            f"{name} fails when run on a given KV cache ({type(e).__name__}: {e}). Models whose layers keep "
-            "another state than K/V (state-space, linear attention), or that cannot take a cache, are not supported."
+            f"{name} fails when run on a given KV cache ({type(e).__name__}: {e}). Models whose layers "
+            "keep another state than K/V (state-space, linear attention), or that cannot take a cache, are "
+            "not supported."
         ) from e
 
 
@@ -176,22 +178,24 @@ def probe(lm, try_packing: bool) -> bool:
         dense_prefix = dense(prefix)
     except Exception as e:
         raise ValueError(
-            f"{name}'s own forward fails on a plain input of token ids ({type(e).__name__}: {e}); not supported."
+            f"{name}'s own forward fails on a plain input of token ids ({type(e).__name__}: {e}); "
+            "not supported."
         ) from e
     err = _rel(dense_prefix, dense_leaves[0][: len(prefix)])
     if not err <= tolerance:
         raise ValueError(
-            f"{name} is not causal: its outputs at a position change with later tokens ({err:.2e} {where}), as in "
-            "an encoder or a model configured without a causal mask (e.g. is_decoder=False); not supported."
+            f"{name} is not causal: its outputs at a position change with later tokens ({err:.2e} "
+            f"{where}), as in an encoder or a model configured without a causal mask (e.g. "
+            "is_decoder=False); not supported."
         )
     with _unsupported_on_failure(name):
         hidden, past = lm.forward(ids(prefix), 0, None)
     err = _rel(logits(hidden), dense_prefix)
     if not err <= tolerance:
         raise ValueError(
-            f"{name}: its decoder + LM head (with the config's logit scale and soft-capping) differs from the "
-            f"dense forward by {err:.2e} {where}: the model transforms its logits in a way the tree walk does "
-            "not reproduce; not supported."
+            f"{name}: its decoder + LM head (with the config's logit scale and soft-capping) differs from "
+            f"the dense forward by {err:.2e} {where}: the model transforms its logits in a way the tree walk "
+            "does not reproduce; not supported."
         )
     errs = []
     with _unsupported_on_failure(name):
@@ -208,9 +212,9 @@ def probe(lm, try_packing: bool) -> bool:
     err = max(errs)
     if not err <= tolerance:
         raise ValueError(
-            f"{name}: a forward on a cached prefix differs from the model's dense forward by {err:.2e} {where}. "
-            f"The model ignores the passed KV cache (keyword {lm.cache_keyword!r}) or computes something that "
-            "depends on how the sequence is cut into calls; it is not supported."
+            f"{name}: a forward on a cached prefix differs from the model's dense forward by {err:.2e} "
+            f"{where}. The model ignores the passed KV cache (keyword {lm.cache_keyword!r}) or computes "
+            "something that depends on how the sequence is cut into calls; it is not supported."
         )
     return try_packing and _packing_is_exact(lm, past, prefix, leaves, dense_leaves, tolerance)
 
@@ -231,8 +235,8 @@ def _packing_is_exact(lm, past, prefix, leaves, dense_leaves, tolerance) -> bool
         return False
     if not err <= tolerance:
         logger.info(
-            "%s: sibling leaves are forwarded as a padded batch; packed into one row they differ from the dense "
-            "forward by %.2e (an attention bias or mask built from key indices, e.g. ALiBi).",
+            "%s: sibling leaves are forwarded as a padded batch; packed into one row they differ from the "
+            "dense forward by %.2e (positions or an attention bias built from key indices, e.g. ALiBi).",
             name,
             err,
         )
