@@ -95,9 +95,8 @@ class CausalLM:
         self._check_static()
         # Packing sibling leaves into one row needs a custom 4-D additive mask (eager, sdpa) that the model
         # applies as given (no window of its own, no index-based bias): the probe checks the latter.
-        self.can_pack = (
-            getattr(self.config, "_attn_implementation", "eager") in ("eager", "sdpa") and self.attention_window is None
-        )
+        impl = getattr(self.config, "_attn_implementation", "eager")
+        self.can_pack = impl in ("eager", "sdpa") and self.attention_window is None
         self.can_pack = self.probe() if probe else False
 
     # ---------------------------------------------------------------- checks
