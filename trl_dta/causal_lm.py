@@ -7,9 +7,9 @@
 * :meth:`CausalLM.logits`: the LM head, with the model's logit scale and soft-capping (the same transform
   TRL's fused LM head applies), divided by a temperature, in at least float32.
 
-Models it cannot run exactly are rejected with a ``ValueError`` when wrapped; a short probe compares a
-forward on a cached prefix with the model's own dense forward, which catches a cache keyword the model
-silently ignores or an LM-head transform that is not reproduced.
+Models it cannot run exactly are rejected with a ``ValueError`` when wrapped, or at a call for limits that
+depend on the sequences (attention windows, length-dependent RoPE); :mod:`trl_dta.model_checks` holds the
+checks and the probe that compares the walk's operations with the model's own dense forward.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from . import model_checks
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
-# max |tree - dense| / max |dense| logits allowed in the probe, per dtype (bf16 has 8 mantissa bits)
-_PROBE_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
 # Per layer, the path's K/V: one (K, V) pair [B, kv_heads, length, head_dim], or a list of such pieces (one per
@@ -95,7 +95,8 @@ class CausalLM:
         model: a ``transformers`` causal LM, or a PEFT model wrapping one (LoRA-style adapters; prompt
             learning methods are rejected).
         lm_head_fp32: run the LM head projection in float32 (TRL's ``cast_lm_head_to_fp32``).
-        probe: run the cached-vs-dense probe now (recommended; it costs one tiny forward).
+        probe: run the probe now (recommended; a few forwards of at most 13 tokens). Without it, sibling
+            leaves are never packed, since only the probe shows that packing is exact for the model.
     """
 
     def __init__(self, model: nn.Module, lm_head_fp32: bool = False, probe: bool = True):
@@ -108,6 +109,8 @@ class CausalLM:
         self.base = base
         self.config = base.config.get_text_config()
         self.decoder = base.get_decoder()
+        if self.decoder is base:  # e.g. Llama 4: base_model_prefix names an attribute the text model lacks
+            self.decoder = getattr(base, "model", None)
         self.lm_head = base.get_output_embeddings()
         if self.decoder is None or self.decoder is base or self.lm_head is None:
             raise ValueError(f"{type(base).__name__} is not a decoder + LM head causal LM; it is not supported.")
@@ -121,12 +124,18 @@ class CausalLM:
         self.num_experts = getattr(self.config, "num_experts", None) if self.is_moe else None
         self.top_k = getattr(self.config, "num_experts_per_tok", None) if self.is_moe else None
         self.cache_keyword = self._cache_keyword()
-        self.sliding_window = self._sliding_window()
-        # eager and sdpa take a custom 4-D additive mask (used to pack sibling leaves into one row)
-        self.can_pack = getattr(self.config, "_attn_implementation", "eager") in ("eager", "sdpa")
+        # attention window or chunk: longer sequences are refused at the call
+        self.attention_window, self.window_kind = model_checks.attention_window(self.config)
+        # RoPE whose frequencies depend on the call's length: exact up to this many tokens
+        self.rope_limit, self.rope_kind = model_checks.rope_length_limit(base)
+        self._warned_checkpointing = False
+        model_checks.check_stateful_layers(self.config, type(base).__name__)
         self._check_static()
-        if probe:
-            self.probe()
+        # Packing sibling leaves into one row needs a custom 4-D additive mask (eager, sdpa) that the model
+        # applies as given (no window of its own, no index-based bias): the probe checks the latter.
+        impl = getattr(self.config, "_attn_implementation", "eager")
+        self.can_pack = impl in ("eager", "sdpa") and self.attention_window is None
+        self.can_pack = self.probe() if probe else False
 
     @property
     def is_moe(self) -> bool:
@@ -140,12 +149,6 @@ class CausalLM:
             if name in params:
                 return name
         raise ValueError(f"{type(self.decoder).__name__}.forward takes no KV cache; the tree walk needs one.")
-
-    def _sliding_window(self) -> int | None:
-        layer_types = getattr(self.config, "layer_types", None) or []
-        sliding = any("sliding" in t for t in layer_types) or getattr(self.config, "use_sliding_window", False)
-        window = getattr(self.config, "sliding_window", None)
-        return int(window) if sliding and window else None
 
     def _check_static(self) -> None:
         impl = getattr(self.config, "_attn_implementation", None) or "eager"
@@ -166,17 +169,25 @@ class CausalLM:
                     "would not equal the dense computation. Put the model in eval mode or disable dropout "
                     "(TRL's disable_dropout=True)."
                 )
-        if self.sliding_window is not None and max_length > self.sliding_window:
+        if self.attention_window is not None and max_length > self.attention_window:
             raise ValueError(
-                f"a sequence of {max_length} tokens exceeds the model's sliding window ({self.sliding_window}); "
-                "sliding-window attention over a cached prefix is not supported."
+                f"a sequence of {max_length} tokens exceeds the model's {self.window_kind} "
+                f"({self.attention_window} tokens); windowed or chunked attention over a cached prefix is not "
+                "supported."
+            )
+        if self.rope_limit is not None and max_length > self.rope_limit:
+            raise ValueError(
+                f"a sequence of {max_length} tokens exceeds the model's original context ({self.rope_limit}) "
+                f"with {self.rope_kind!r} RoPE: past it the rotary frequencies depend on each forward call's "
+                "length, so a cached prefix is encoded differently from a dense pass; not supported."
             )
 
     @contextlib.contextmanager
     def no_gradient_checkpointing(self):
         """Switch gradient checkpointing off for the walk (HF layers drop a passed cache under it), then restore."""
         switched = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False) is True]
-        if switched and self.model.training:
+        if switched and self.model.training and not self._warned_checkpointing:
+            self._warned_checkpointing = True
             logger.warning(
                 "Gradient checkpointing is on: it makes decoder layers drop the KV cache, so it is switched off "
                 "during the tree walk and restored afterwards (the walk bounds activation memory itself)."
@@ -189,39 +200,20 @@ class CausalLM:
             for m in switched:
                 m.gradient_checkpointing = True
 
-    @torch.no_grad()
-    def probe(self) -> None:
-        """Compare a forward on a cached prefix with the model's own dense forward; raise if they differ."""
-        device = self.lm_head.weight.device
-        vocab = self.lm_head.weight.shape[0]
-        ids = (torch.arange(8, device=device) * 7919 + 11) % vocab
-        ids = ids.unsqueeze(0)
+    def probe(self) -> bool:
+        """Compare the walk's operations with the model's own dense forward (see
+        :func:`trl_dta.model_checks.probe`); raise if they differ, return whether packing leaves is exact.
+        It runs in eval mode (no dropout), in the weights' dtype with autocast off: under bf16 autocast two
+        exact methods already differ by ~1e-2, which would hide a wrong cache. The walk itself runs under
+        whatever autocast the caller set."""
         modes = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()  # the probe must not see dropout
-        # The probe checks structure (is the cache read, is the logit transform reproduced), so it runs in the
-        # weights' dtype with autocast off: under bf16 autocast two exact methods already differ by ~1e-2,
-        # which would hide a wrong cache (~1e-1). The walk itself runs under whatever autocast the caller set.
+        self.model.eval()
         try:
-            with torch.autocast(device.type, enabled=False):
-                # the class's own forward: accelerate (mixed precision) and TRL (fused LM head) patch the
-                # instance's forward, and accelerate's patch turns autocast back on inside it
-                dense = type(self.base).forward(self.base, input_ids=ids, use_cache=False).logits.to(torch.float64)
-                h1, kv = self.forward(ids[:, :5], 0, None)
-                h2, _ = self.forward(ids[:, 5:], 5, kv)
-                tree = self.logits(torch.cat([h1, h2], dim=1), 1.0).to(torch.float64)
+            with torch.autocast(self.lm_head.weight.device.type, enabled=False):
+                return model_checks.probe(self, try_packing=self.can_pack)
         finally:
             for m, mode in modes:
                 m.training = mode
-        dtype = self.lm_head.weight.dtype
-        tolerance = _PROBE_TOLERANCE.get(dtype, 5e-2)
-        err = ((tree - dense).abs().max() / dense.abs().max().clamp_min(1e-30)).item()
-        if not err <= tolerance:
-            raise ValueError(
-                f"{type(self.base).__name__}: logits of a forward on a cached prefix differ from the model's dense "
-                f"forward by {err:.2e} (relative; tolerance {tolerance:g} for {dtype}, autocast off). The model "
-                f"ignores the passed KV cache (keyword {self.cache_keyword!r}) or transforms its logits in a way "
-                "the tree walk does not reproduce; it is not supported."
-            )
 
     # ---------------------------------------------------------------- compute
     def forward(

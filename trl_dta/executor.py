@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .causal_lm import CausalLM
+from .model_checks import packed_inputs
 from .plan import Leaves, Pop, Push, Segment, build_plan
 from .trie import PrefixTrie, TrieNode
 
@@ -109,7 +110,9 @@ class TreeExecutor:
         lm_head_fp32: compute the LM head projection in float32 (TRL's ``cast_lm_head_to_fp32``).
         pack_leaves: forward a batch of sibling leaves as one packed row with a block-diagonal causal mask
             (no padding, the shared past not replicated per leaf) where the attention backend takes a custom
-            mask (eager, sdpa); otherwise, or with False, as a right-padded batch.
+            mask (eager, sdpa) and the construction probe finds packing exact for the model (no attention
+            window, no bias built from key indices such as ALiBi); otherwise, or with False, as a right-padded
+            batch.
 
     Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
     HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
@@ -408,16 +411,8 @@ class TreeExecutor:
         its own leaf (a block-diagonal causal mask), and positions restart at ``start`` for every leaf. No
         padding, and the past K/V is not replicated per leaf."""
         lengths = [t.numel() for t in ids]
-        total = sum(lengths)
-        leaf = torch.repeat_interleave(torch.arange(len(ids), device=self.device), torch.tensor(lengths, device=self.device))
-        offsets = torch.cat([torch.arange(n, device=self.device) for n in lengths])
-        same_leaf_causal = (leaf[:, None] == leaf[None, :]) & (offsets[:, None] >= offsets[None, :])
-        visible = torch.cat([same_leaf_causal.new_ones(total, start), same_leaf_causal], dim=1)
-        dtype = self.lm.lm_head.weight.dtype
-        mask = torch.zeros(visible.shape, dtype=dtype, device=self.device).masked_fill_(~visible, torch.finfo(dtype).min)
-        hidden, _, routers = self._forward(
-            torch.cat(ids)[None], start, stack, positions=(start + offsets)[None], attention_mask=mask[None, None]
-        )
+        positions, mask = packed_inputs(lengths, start, self.lm.lm_head.weight.dtype, self.device)
+        hidden, _, routers = self._forward(torch.cat(ids)[None], start, stack, positions=positions, attention_mask=mask)
         per_row = [None] * len(ids)
         if routers is not None:  # each [total, E]
             per_row = [list(rows) for rows in zip(*(r.split(lengths) for r in routers), strict=True)]
