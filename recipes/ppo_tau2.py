@@ -55,9 +55,9 @@ _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "trl_dta").is_dir() and str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from trl_dta import TreePPOConfig  # cheap: the trainer module loads on first use
-from trl_dta.envs.tau2.domain import UNSUPPORTED_DOMAINS  # cheap: does not import tau2
-from trl_dta.offline_model import OFFLINE_SMOLLM2
+from trl_dta import TreePPOConfig  # noqa: E402 (cheap: the trainer module loads on first use)
+from trl_dta.envs.tau2.domain import UNSUPPORTED_DOMAINS  # noqa: E402 (cheap: does not import tau2)
+from trl_dta.offline_model import OFFLINE_SMOLLM2  # noqa: E402
 
 logger = logging.getLogger("ppo_tau2")
 

@@ -32,7 +32,7 @@ def make_model(family: str = "qwen3", attn: str = "sdpa", dtype=torch.float64, s
     return model.to(dtype).eval()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cached_model(family: str, attn: str, dtype=torch.float64):
     return make_model(family, attn, dtype)
 

@@ -17,7 +17,9 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_dta import TreePPOConfig, TreePPOTrainer  # noqa: E402
 
-BATCH = dict(per_device_train_batch_size=8, num_generations=4, learning_rate=2.0, num_iterations=2, max_steps=2)
+BATCH = dict(
+    per_device_train_batch_size=8, num_generations=4, learning_rate=2.0, num_iterations=2, max_steps=2
+)
 
 
 def unequal_dataset(num_prompts=4):
@@ -27,7 +29,9 @@ def unequal_dataset(num_prompts=4):
 
     prompts = []
     for i in range(num_prompts):
-        text = _user_message(i) + (" I ordered it for my sister, it is a birthday gift." * 12 if i == 0 else "")
+        text = _user_message(i) + (
+            " I ordered it for my sister, it is a birthday gift." * 12 if i == 0 else ""
+        )
         prompts.append([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": text}])
     return Dataset.from_dict({"prompt": prompts})
 
@@ -51,8 +55,12 @@ def main(out_dir, model_dir, loss_type, trainer="tree"):
     batch["per_device_train_batch_size"] //= accumulation
     batch["gradient_accumulation_steps"] = accumulation
     recorder = GradRecorder()
-    config = make_config(os.path.join(out_dir, f"run{rank}"), config_cls=TreePPOConfig if tree else GRPOConfig,
-                         loss_type=loss_type, **batch)  # fmt: skip
+    config = make_config(
+        os.path.join(out_dir, f"run{rank}"),
+        config_cls=TreePPOConfig if tree else GRPOConfig,
+        loss_type=loss_type,
+        **batch,
+    )
     t = make_trainer(cls, config, model=model_dir, callbacks=[recorder], dataset=unequal_dataset())
     t.train()
     torch.save({"grads": recorder.grads, "rows": rows}, os.path.join(out_dir, f"{trainer}{rank}.pt"))

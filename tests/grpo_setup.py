@@ -163,7 +163,7 @@ def _corpus() -> list[str]:
     return lines * 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """Byte-level BPE (vocab 600, special tokens included) trained here on a small synthetic corpus, with
     TRL's qwen3 chat template and its response parser. eos = <|im_end|> (as in Qwen3), pad = <|endoftext|>,

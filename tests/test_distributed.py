@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_setup import tiny_model
-
 from conftest import max_rel_diff
 
 WORKER = Path(__file__).with_name("dist_worker.py")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VOCAB, cached_model, dense_grads, dense_logps, grads_of, make_model, max_rel_diff
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import VOCAB, cached_model, dense_grads, dense_logps, grads_of, make_model, max_rel_diff
 from trl_dta import PrefixTrie, TreeExecutor
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
@@ -70,7 +70,9 @@ def test_backward_matches_dense(family, attn, seqs, block_size, batch_tokens, te
     loss_fn = loss_fn_for(seqs, use_entropy)
     ref, ref_total = dense_grads(model, seqs, loss_fn, temperature)
     executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens, pack_leaves=pack)
-    got, total = tree_grads(executor, model, PrefixTrie.from_sequences(seqs), loss_fn, temperature, use_entropy)
+    got, total = tree_grads(
+        executor, model, PrefixTrie.from_sequences(seqs), loss_fn, temperature, use_entropy
+    )
     assert max_rel_diff(got, ref) < TIGHT
     assert total == pytest.approx(ref_total, rel=1e-10, abs=1e-10)
 
@@ -98,11 +100,15 @@ def test_logprobs_match_dense(family, attn, seqs, block_size, batch_tokens, temp
             torch.testing.assert_close(plain[i], lp, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("block_size,batch_tokens,pack", [(1000, None, True), (1000, None, False), (3, 0, True), (4, 9, True)])
+@pytest.mark.parametrize(
+    "block_size,batch_tokens,pack", [(1000, None, True), (1000, None, False), (3, 0, True), (4, 9, True)]
+)
 def test_lora_backward_matches_dense(block_size, batch_tokens, pack):
     peft = pytest.importorskip("peft")
     model = make_model("qwen3", "sdpa", seed=1)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
     model = peft.get_peft_model(model, config)
     seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11], [5, 6, 7, 8, 11], [5, 6, 12, 13, 14, 15, 16], [5, 6, 7]]
     loss_fn = loss_fn_for(seqs, use_entropy=True)

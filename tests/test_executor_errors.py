@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import dense_grads, grads_of, make_model, max_rel_diff
+
 from trl_dta import PrefixTrie, TreeExecutor
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
@@ -56,7 +56,9 @@ def test_unsupported_attention_implementation():
 def test_router_grad_is_refused_for_a_dense_model():
     """MoE router losses are supported (tests/test_router_loss.py); a dense model has no router to read."""
     with pytest.raises(ValueError, match="no MoE router"):
-        TreeExecutor(make_model("qwen3", "sdpa")).backward(PrefixTrie.from_sequences(SEQS), loss_fn, router_grad={})
+        TreeExecutor(make_model("qwen3", "sdpa")).backward(
+            PrefixTrie.from_sequences(SEQS), loss_fn, router_grad={}
+        )
 
 
 def test_sequences_longer_than_sliding_window_are_refused():

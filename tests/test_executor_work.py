@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import make_model
+
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.memory import SavedTensorMeter
 
@@ -93,7 +93,9 @@ def leaf_sequences(num_leaves, prefix=256, leaf=256):
     gen = torch.Generator().manual_seed(num_leaves)
     shared = torch.randint(0, 61, (prefix,), generator=gen).tolist()
     # distinct first tokens: every leaf hangs directly off the shared prefix
-    return [shared + [k] + torch.randint(0, 61, (leaf - 1,), generator=gen).tolist() for k in range(num_leaves)]
+    return [
+        shared + [k] + torch.randint(0, 61, (leaf - 1,), generator=gen).tolist() for k in range(num_leaves)
+    ]
 
 
 def tree_peak(num_leaves):

@@ -4,7 +4,6 @@ the prompt and the whole first tool-call turn, recorded gradients, and bit-ident
 from __future__ import annotations
 
 import torch
-
 from grpo_setup import (
     GradRecorder,
     ScriptedGRPOTrainer,

@@ -13,8 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from trl import GRPOTrainer
+
 from trl_dta.losses import LOSS_TYPES, LossSettings, RowLoss
 
 B, T = 5, 7
@@ -38,20 +38,40 @@ class _Accelerator:
 
 def fake_trainer(opts, logps, entropies):
     args = SimpleNamespace(
-        delta=opts["delta"], use_bias_correction_kl=opts["bias_kl"], sapo_temperature_pos=1.0,
-        sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
-        steps_per_generation=opts["spg"], entropy_target=0.5,
-    )  # fmt: skip
+        delta=opts["delta"],
+        use_bias_correction_kl=opts["bias_kl"],
+        sapo_temperature_pos=1.0,
+        sapo_temperature_neg=1.05,
+        vespo_k_pos=2.0,
+        vespo_lambda_pos=3.0,
+        vespo_k_neg=3.0,
+        vespo_lambda_neg=2.0,
+        steps_per_generation=opts["spg"],
+        entropy_target=0.5,
+    )
     fake = SimpleNamespace(
-        args=args, loss_type=opts["loss_type"], epsilon_low=0.2, epsilon_high=0.28, beta=opts["beta"],
-        importance_sampling_level=opts["is_level"], off_policy_mask_threshold=opts["off_policy"],
-        use_vllm=opts["vllm_is"], vllm_importance_sampling_correction=opts["vllm_is"], max_completion_length=T,
-        top_entropy_quantile=opts["top_q"], accelerator=_Accelerator(), model=SimpleNamespace(training=opts["train"]),
-        current_gradient_accumulation_steps=opts["ga"], _entropy_bonus_enabled=opts["entropy_coef"] != 0.0,
-        entropy_coef=opts["entropy_coef"], use_adaptive_entropy=False, aux_loss_enabled=False,
+        args=args,
+        loss_type=opts["loss_type"],
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+        beta=opts["beta"],
+        importance_sampling_level=opts["is_level"],
+        off_policy_mask_threshold=opts["off_policy"],
+        use_vllm=opts["vllm_is"],
+        vllm_importance_sampling_correction=opts["vllm_is"],
+        max_completion_length=T,
+        top_entropy_quantile=opts["top_q"],
+        accelerator=_Accelerator(),
+        model=SimpleNamespace(training=opts["train"]),
+        current_gradient_accumulation_steps=opts["ga"],
+        _entropy_bonus_enabled=opts["entropy_coef"] != 0.0,
+        entropy_coef=opts["entropy_coef"],
+        use_adaptive_entropy=False,
+        aux_loss_enabled=False,
         _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
-        get_off_policy_mask=GRPOTrainer.get_off_policy_mask, get_gamma_weights=GRPOTrainer.get_gamma_weights,
-    )  # fmt: skip
+        get_off_policy_mask=GRPOTrainer.get_off_policy_mask,
+        get_gamma_weights=GRPOTrainer.get_gamma_weights,
+    )
     fake.get_high_entropy_mask = lambda e, m, q: GRPOTrainer.get_high_entropy_mask(fake, e, m, q)
     fake._get_per_token_logps_and_entropies = lambda *a, **k: (logps, entropies, None)
     return fake
@@ -122,7 +142,12 @@ def check_row_loss_matches_trl(opts):
         entropy_mask = fake.get_high_entropy_mask(entropies.detach(), mask, 1 - opts["top_q"])
     ga = opts["ga"] if opts["train"] else 1
     row_loss = RowLoss(
-        LossSettings.from_trainer(fake), inputs, ga, entropy_mask, opts["entropy_coef"], training=opts["train"]
+        LossSettings.from_trainer(fake),
+        inputs,
+        ga,
+        entropy_mask,
+        opts["entropy_coef"],
+        training=opts["train"],
     )
     lp2 = logps.detach().clone().requires_grad_(True)
     ent2 = entropies.detach().clone().requires_grad_(True)
@@ -144,8 +169,23 @@ def test_row_loss_matches_trl_compute_loss(opts):
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_each_loss_type_with_every_option_on(loss_type):
     opts = dict(
-        loss_type=loss_type, is_level="token", beta=0.04, bias_kl=True, delta=1.3, off_policy=0.05, vllm_is=True,
-        top_q=0.6, entropy_coef=0.05, tool_mask=True, old=True, train=True, ga=3, spg=3, seed=1,
-    )  # fmt: skip
+        loss_type=loss_type,
+        is_level="token",
+        beta=0.04,
+        bias_kl=True,
+        delta=1.3,
+        off_policy=0.05,
+        vllm_is=True,
+        top_q=0.6,
+        entropy_coef=0.05,
+        tool_mask=True,
+        old=True,
+        train=True,
+        ga=3,
+        spg=3,
+        seed=1,
+    )
     check_row_loss_matches_trl(opts)
-    check_row_loss_matches_trl({**opts, "is_level": "sequence", "vllm_is": False, "top_q": 1.0, "delta": None})
+    check_row_loss_matches_trl(
+        {**opts, "is_level": "sequence", "vllm_is": False, "top_q": 1.0, "delta": None}
+    )

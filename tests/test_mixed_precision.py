@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from conftest import max_rel_diff
 from grpo_setup import GradRecorder, ScriptedGRPOTrainer, make_config, make_trainer, tiny_model
+from test_trainer import TreeScripted
 from trl import GRPOConfig
 
-from conftest import max_rel_diff
-from test_trainer import TreeScripted
 from trl_dta import TreePPOConfig
 
 MARGIN = 1.5
@@ -61,7 +61,9 @@ def test_gpu_recipe_config_trains_a_step(tmp_path):
                     max_completion_length=128)  # fmt: skip
     recorder = GradRecorder()
     config = TreePPOConfig(**training)
-    trainer = make_trainer(TreeScripted, config, model=tiny_model(seed=0), callbacks=[recorder], num_prompts=4)
+    trainer = make_trainer(
+        TreeScripted, config, model=tiny_model(seed=0), callbacks=[recorder], num_prompts=4
+    )
     trainer.train()
     assert len(recorder.grads) == 1
     assert all(torch.isfinite(g).all() for g in recorder.grads[0].values())

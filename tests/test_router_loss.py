@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import VOCAB, _rmsnorm_in_input_dtype, grads_of, max_rel_diff
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_executor import loss_fn_for, shared_prefix_sequences
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from conftest import VOCAB, _rmsnorm_in_input_dtype, grads_of, max_rel_diff
-from test_executor import loss_fn_for, shared_prefix_sequences
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.router_loss import load_balancing_loss, node_weights
 
@@ -116,11 +116,24 @@ def moe_dir(tmp_path_factory):
 
     tok = tiny_tokenizer()
     config = Qwen3MoeConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=2048, tie_word_embeddings=False, initializer_range=0.2, rms_norm_eps=1e-6,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        rms_norm_eps=1e-6,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = Qwen3MoeForCausalLM(config)

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grpo_setup import GradRecorder, ScriptedGenerationMixin, ScriptedGRPOTrainer, make_config, make_trainer, tiny_model
+from conftest import max_rel_diff
+from grpo_setup import (
+    GradRecorder,
+    ScriptedGenerationMixin,
+    ScriptedGRPOTrainer,
+    make_config,
+    make_trainer,
+    tiny_model,
+)
 from trl import GRPOConfig
 
-from conftest import max_rel_diff
 from trl_dta import PrefixTrie, TreePPOConfig, TreePPOTrainer
 from trl_dta.losses import LOSS_TYPES
 from trl_dta.rows import batch_rows
@@ -59,7 +66,13 @@ def test_gradients_equal_stock_trl_for_each_loss_type(tmp_path, model_dir, loss_
         dict(entropy_coef=0.01, off_policy_mask_threshold=0.01, delta=1.5, epsilon_high=0.3),
         dict(mask_truncated_completions=True, temperature=0.7),
     ],
-    ids=["kl", "kl-bias-sequence", "entropy-quantile", "entropy-bonus-opsm-delta", "mask-truncated-temperature"],
+    ids=[
+        "kl",
+        "kl-bias-sequence",
+        "entropy-quantile",
+        "entropy-bonus-opsm-delta",
+        "mask-truncated-temperature",
+    ],
 )
 def test_gradients_equal_stock_trl_for_options(tmp_path, model_dir, options):
     stock_logs, _ = assert_same_gradients(tmp_path, model_dir, **{**MOVING, **options})
@@ -70,7 +83,9 @@ def test_gradients_equal_stock_trl_for_options(tmp_path, model_dir, options):
 def test_lora_gradients_equal_stock_trl(tmp_path, model_dir):
     from peft import LoraConfig
 
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
     assert_same_gradients(tmp_path, model_dir, peft_config=lora, beta=0.04, **MOVING)
 
 
@@ -170,7 +185,9 @@ def test_step_walk_options_equal_stock_trl(tmp_path, model_dir, options):
 def test_step_walk_lora_kl_equals_stock_trl(tmp_path, model_dir):
     from peft import LoraConfig
 
-    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    lora = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
     assert_same_gradients(tmp_path, model_dir, peft_config=lora, beta=0.04, **MOVING, **GA4)
 
 
@@ -185,8 +202,10 @@ def test_one_walk_per_optimizer_step_forwards_each_unique_token_once(tmp_path, m
     embedded, head_rows = [], []
     hooks = [
         model.get_input_embeddings().register_forward_hook(lambda m, a, o: embedded.append(a[0].numel())),
-        model.get_output_embeddings().register_forward_hook(lambda m, a, o: head_rows.append(a[0].shape[:-1].numel())),
-    ]  # fmt: skip
+        model.get_output_embeddings().register_forward_hook(
+            lambda m, a, o: head_rows.append(a[0].shape[:-1].numel())
+        ),
+    ]
     trainer.train()
     for h in hooks:
         h.remove()
@@ -205,7 +224,7 @@ def test_one_walk_per_optimizer_step_forwards_each_unique_token_once(tmp_path, m
 
 def test_lexicographic_steps_keep_groups_in_one_optimizer_step(tmp_path, model_dir):
     """Opt-in: with 2 optimizer steps per generation, each step gets whole groups (2 of the 4 prompts), and
-    its gradients are still exactly TRL's dense loss on those micro-batches (the self-check, tolerance 1e-4)."""
+    its gradients are still exactly TRL's dense loss on those micro-batches (the self-check, at 1e-4)."""
     options = dict(steps_per_generation=8, tree_lexicographic_steps=True, tree_check_gradients=True,
                    tree_check_tolerance=1e-4, **MOVING, **GA4)  # fmt: skip
     trainer, _ = train(TreeScripted, TreePPOConfig, model_dir, tmp_path, num_prompts=4, **options)

@@ -30,8 +30,8 @@ logger = logging.getLogger(__name__)
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
 
-# Per layer, the path's K/V: one (K, V) pair [B, kv_heads, length, head_dim], or a list of such pieces (one per
-# segment on the walk's stack, in order), concatenated only when the forward needs them.
+# Per layer, the path's K/V: one (K, V) pair [B, kv_heads, length, head_dim], or a list of such pieces (one
+# per segment on the walk's stack, in order), concatenated only when the forward needs them.
 Past = list["tuple[torch.Tensor, torch.Tensor] | list[tuple[torch.Tensor, torch.Tensor]]"]
 
 
@@ -104,7 +104,9 @@ class CausalLM:
         base = model
         if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
             if getattr(model.active_peft_config, "is_prompt_learning", False):
-                raise ValueError("PEFT prompt-learning methods add virtual tokens and are not supported; use LoRA.")
+                raise ValueError(
+                    "PEFT prompt-learning methods add virtual tokens and are not supported; use LoRA."
+                )
             base = model.get_base_model()
         self.base = base
         self.config = base.config.get_text_config()
@@ -113,7 +115,9 @@ class CausalLM:
             self.decoder = getattr(base, "model", None)
         self.lm_head = base.get_output_embeddings()
         if self.decoder is None or self.decoder is base or self.lm_head is None:
-            raise ValueError(f"{type(base).__name__} is not a decoder + LM head causal LM; it is not supported.")
+            raise ValueError(
+                f"{type(base).__name__} is not a decoder + LM head causal LM; it is not supported."
+            )
         self.lm_head_fp32 = lm_head_fp32
         if lm_head_fp32 and type(self.lm_head) is not nn.Linear:
             raise ValueError("lm_head_fp32=True needs a plain nn.Linear LM head (no adapter on it).")
@@ -165,14 +169,16 @@ class CausalLM:
             if dropouts or getattr(self.config, "attention_dropout", 0.0):
                 where = dropouts[0] if dropouts else "config.attention_dropout"
                 raise ValueError(
-                    f"dropout is active ({where}): a shared prefix would share one dropout mask, so the tree walk "
+                    f"dropout is active ({where}): a shared prefix would share one dropout mask, so the "
+                    "tree walk "
                     "would not equal the dense computation. Put the model in eval mode or disable dropout "
                     "(TRL's disable_dropout=True)."
                 )
         if self.attention_window is not None and max_length > self.attention_window:
             raise ValueError(
                 f"a sequence of {max_length} tokens exceeds the model's {self.window_kind} "
-                f"({self.attention_window} tokens); windowed or chunked attention over a cached prefix is not "
+                f"({self.attention_window} tokens); windowed or chunked attention over a cached prefix is "
+                "not "
                 "supported."
             )
         if self.rope_limit is not None and max_length > self.rope_limit:
@@ -184,12 +190,14 @@ class CausalLM:
 
     @contextlib.contextmanager
     def no_gradient_checkpointing(self):
-        """Switch gradient checkpointing off for the walk (HF layers drop a passed cache under it), then restore."""
+        """Switch gradient checkpointing off for the walk (HF layers drop a passed cache under it); restore it
+        after."""
         switched = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False) is True]
         if switched and self.model.training and not self._warned_checkpointing:
             self._warned_checkpointing = True
             logger.warning(
-                "Gradient checkpointing is on: it makes decoder layers drop the KV cache, so it is switched off "
+                "Gradient checkpointing is on: it makes decoder layers drop the KV cache, so it is "
+                "switched off "
                 "during the tree walk and restored afterwards (the walk bounds activation memory itself)."
             )
         for m in switched:
@@ -224,10 +232,10 @@ class CausalLM:
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Decode ``input_ids`` ([B, L], positions ``start..start+L-1`` unless ``positions`` are given) on top of
-        ``past`` (per layer K, V of shape [B, kv_heads, start, head_dim], or a list of pieces that together
-        cover positions ``0..start-1``), causally, or with a 4-D additive
-        ``attention_mask`` [B, 1, L, start + L]. Returns hidden states [B, L, D] and the new K/V per layer."""
+        """Decode ``input_ids`` ([B, L], positions ``start..start+L-1`` unless ``positions`` are given) on
+        top of ``past`` (per layer K, V of shape [B, kv_heads, start, head_dim], or a list of pieces that
+        together cover positions ``0..start-1``), causally, or with a 4-D additive ``attention_mask``
+        [B, 1, L, start + L]. Returns hidden states [B, L, D] and the new K/V per layer."""
         hidden, kv, _ = self._decode(input_ids, start, past, positions, attention_mask, False)
         return hidden, kv
 
@@ -253,7 +261,11 @@ class CausalLM:
         if self.is_moe:  # ask explicitly: the config's own flag must not decide what the walk computes
             extra["output_router_logits"] = router_logits
         out = self.decoder(
-            input_ids=input_ids, position_ids=positions, use_cache=True, **{self.cache_keyword: cache}, **extra
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=True,
+            **{self.cache_keyword: cache},
+            **extra,
         )
         if not cache.new:
             raise ValueError(
@@ -262,7 +274,8 @@ class CausalLM:
             )
         if len(cache.new) != self.num_layers:
             raise ValueError(
-                f"{type(self.base).__name__}: {len(cache.new)} of {self.num_layers} layers wrote to the KV cache; "
+                f"{type(self.base).__name__}: {len(cache.new)} of {self.num_layers} layers wrote to the KV "
+                "cache; "
                 "models that share or skip K/V across layers are not supported."
             )
         routers = None

@@ -42,7 +42,9 @@ class TreePPOConfig(GRPOConfig):
     restores it after, and TRL's generation is unchanged).
     """
 
-    tree_block_size: int = field(default=2048, metadata={"help": "Tokens with a kept graph on the walk's stack."})
+    tree_block_size: int = field(
+        default=2048, metadata={"help": "Tokens with a kept graph on the walk's stack."}
+    )
     tree_batch_tokens: int | None = field(
         default=None, metadata={"help": "Token budget for batching sibling leaves (None: tree_block_size)."}
     )
@@ -51,12 +53,16 @@ class TreePPOConfig(GRPOConfig):
         metadata={"help": "Give each optimizer step a contiguous lexicographic run of the generation batch."},
     )
     tree_check_gradients: bool = field(
-        default=False, metadata={"help": "Compare the first step's gradients with the dense path; raise if off."}
+        default=False,
+        metadata={"help": "Compare the first step's gradients with the dense path; raise if off."},
     )
     tree_check_tolerance: float = field(default=1e-3, metadata={"help": "Tolerance of tree_check_gradients."})
-    disable_dropout: bool = field(default=True, metadata={"help": "Disable dropout (required for exactness)."})
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "Disable dropout (required for exactness)."}
+    )
     gradient_checkpointing: bool = field(
-        default=False, metadata={"help": "Not needed by the tree walk; if on, it is suspended during the walk."}
+        default=False,
+        metadata={"help": "Not needed by the tree walk; if on, it is suspended during the walk."},
     )
 
     def __post_init__(self):

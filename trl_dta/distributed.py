@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .rows import batch_rows
 from .partition import lexicographic_partition
+from .rows import batch_rows
 
 # per-token fields (right-padded to the completion width) and their padding values
 PER_TOKEN = {
@@ -115,5 +115,5 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
         flat = torch.cat([p.grad.reshape(-1) for p in group])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         flat.div_(world)
-        for p, chunk in zip(group, flat.split([p.numel() for p in group])):
+        for p, chunk in zip(group, flat.split([p.numel() for p in group]), strict=True):
             p.grad.copy_(chunk.view_as(p.grad))

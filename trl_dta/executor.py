@@ -24,9 +24,8 @@ calls is exactly ``sum_i loss_fn(i, logps_i, entropies_i).backward()`` over dens
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -34,23 +33,10 @@ from torch import nn
 from .causal_lm import CausalLM
 from .model_checks import packed_inputs
 from .plan import Leaves, Pop, Push, Segment, build_plan
+from .router_loss import RouterGrad, RouterStats, router_term
 from .trie import PrefixTrie, TrieNode
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-# MoE: per trie node, a vector v [num_experts]; the walk adds sum over the node's tokens and router layers of
-# <v, softmax(router logits)> to what it backpropagates (see trl_dta/router_loss.py for why that is exact)
-RouterGrad = Mapping[TrieNode, torch.Tensor]
-
-
-@dataclass
-class RouterStats:
-    """Per trie node, over its tokens and the model's router layers: how often each expert was among the
-    top-k of ``softmax(router logits)`` (``counts``), and the summed router probabilities (``probs``), each
-    [num_experts] float32; ``layers`` is the number of router layers."""
-
-    counts: dict[TrieNode, torch.Tensor]
-    probs: dict[TrieNode, torch.Tensor]
-    layers: int
 
 
 def _handle(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -66,8 +52,9 @@ def _handle(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _outputs(kv, last_hidden, logps, entropies) -> list[torch.Tensor | None]:
-    """A segment's outputs that descendants read, flattened in one fixed order (K, V of each layer, last hidden
-    state, log-probs, entropies): the order :meth:`_Frame.outputs` and :meth:`_Frame.handles` share."""
+    """A segment's outputs that descendants read, flattened in one fixed order (K, V of each layer, last
+    hidden state, log-probs, entropies): the order :meth:`_Frame.outputs` and :meth:`_Frame.handles`
+    share."""
     return [t for pair in kv for t in pair] + [last_hidden, logps, entropies]
 
 
@@ -99,7 +86,7 @@ class TreeExecutor:
     """Forward/backward of the sequences of a :class:`~trl_dta.PrefixTrie` through a causal LM.
 
     Args:
-        model: a ``transformers`` causal LM that takes a KV cache (Llama, Mistral, Qwen2, Qwen3, ... families),
+        model: a ``transformers`` causal LM that takes a KV cache (see README "Supported models"),
             plain or PEFT (LoRA) wrapped. Dropout must be off while it trains (it is checked at each call).
         block_size: most tokens forwarded with an autograd graph kept on the stack, and longest segment. Paths
             longer than that are walked with chunked backward (blocks forwarded without a graph, recomputed
@@ -194,11 +181,15 @@ class TreeExecutor:
         def on_loss(index, lp, ent):
             loss = loss_fn(index, lp, ent)
             if loss.dim() != 0:
-                raise ValueError(f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)} for {index}")
+                raise ValueError(
+                    f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)} for {index}"
+                )
             total.append(loss.detach())
             return loss
 
-        self._walk(trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from)
+        self._walk(
+            trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from
+        )
         return float(sum(t.detach().double() for t in total)) if total else 0.0
 
     # ------------------------------------------------------------------ the walk
@@ -281,13 +272,18 @@ class TreeExecutor:
         if not stack:
             return None
         return [
-            [(f.kv_in[layer][0].expand(rows, -1, -1, -1), f.kv_in[layer][1].expand(rows, -1, -1, -1)) for f in stack]
+            [
+                (f.kv_in[layer][0].expand(rows, -1, -1, -1), f.kv_in[layer][1].expand(rows, -1, -1, -1))
+                for f in stack
+            ]
             for layer in range(self.lm.num_layers)
         ]
 
-    def _forward(self, ids: torch.Tensor, start: int, stack: list[_Frame], positions=None, attention_mask=None):
-        """Decode ``ids`` [B, L] on the stack's K/V: hidden [B, L, D], new K/V, and (when the walk reads router
-        logits) each router layer's logits [B * L, E]."""
+    def _forward(
+        self, ids: torch.Tensor, start: int, stack: list[_Frame], positions=None, attention_mask=None
+    ):
+        """Decode ``ids`` [B, L] on the stack's K/V: hidden [B, L, D], new K/V, and (when the walk reads
+        router logits) each router layer's logits [B * L, E]."""
         past = self._past(stack, ids.shape[0])
         if self._router is None:
             return (*self.lm.forward(ids, start, past, positions, attention_mask), None)
@@ -299,19 +295,12 @@ class TreeExecutor:
         if routers is None:
             return None
         if isinstance(self._router, RouterStats):
-            stats, top_k = self._router, self.lm.top_k
-            stats.layers = len(routers)
-            for logits in routers:
-                probs = torch.softmax(logits, dim=-1)  # in the logits' dtype, as TRL's loss does
-                picked = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
-                counts = torch.bincount(picked, minlength=probs.shape[-1]).float()
-                stats.counts[node] = stats.counts.get(node, 0) + counts
-                stats.probs[node] = stats.probs.get(node, 0) + probs.float().sum(0)
+            self._router.add(node, routers, self.lm.top_k)
             return None
         v = self._router.get(node)
         if v is None or not torch.is_grad_enabled():
             return None
-        return sum((torch.softmax(logits, dim=-1).float() @ v.float()).sum() for logits in routers)
+        return router_term(v, routers)
 
     def _score(self, hiddens, ids, start, parent_hidden, temperature, entropies, froms):
         """Log-probs (and entropies) of each row's tokens (``hiddens[r]``: [L_r, D], ``ids[r]``: [L_r], at
@@ -332,7 +321,9 @@ class TreeExecutor:
             firsts.append(first)
         counts = [t.numel() for t in targets]
         if sum(counts) == 0:
-            empty = hiddens[0].new_zeros(0, dtype=torch.float64 if hiddens[0].dtype == torch.float64 else torch.float32)
+            empty = hiddens[0].new_zeros(
+                0, dtype=torch.float64 if hiddens[0].dtype == torch.float64 else torch.float32
+            )
             return [empty] * len(ids), ([empty] * len(ids) if entropies else None), firsts
         logp_all = torch.log_softmax(self.lm.logits(torch.cat(inputs), temperature), dim=-1)
         lp = logp_all.gather(-1, torch.cat(targets)[:, None]).squeeze(-1)
@@ -351,7 +342,9 @@ class TreeExecutor:
             return kv, hidden[:, -1:], hidden.new_zeros(0), None, router_term, segment.end - 1
         parent_hidden = stack[-1].last_hidden_in if stack else None
         froms = [self._from(segment.node)]
-        lps, ents, firsts = self._score([hidden[0]], [ids[0]], segment.start, parent_hidden, temperature, entropies, froms)
+        lps, ents, firsts = self._score(
+            [hidden[0]], [ids[0]], segment.start, parent_hidden, temperature, entropies, froms
+        )
         return kv, hidden[:, -1:], lps[0], (ents[0] if entropies else None), router_term, firsts[0]
 
     def _push(self, trie, segment, stack, temperature, entropies, with_graph) -> _Frame:
@@ -383,7 +376,9 @@ class TreeExecutor:
             losses = [t for t in losses if t is not None]
             if self._scoring:
                 froms = [self._from(s.node) for s in segments]
-                lps, ents, firsts = self._score(hiddens, ids, start, parent_hidden, temperature, entropies, froms)
+                lps, ents, firsts = self._score(
+                    hiddens, ids, start, parent_hidden, temperature, entropies, froms
+                )
                 for row, segment in enumerate(segments):
                     ent = ents[row] if entropies else None
                     for i in segment.terminals:
@@ -403,7 +398,9 @@ class TreeExecutor:
         hidden, _, routers = self._forward(batch, start, stack)
         per_row = [None] * len(ids)
         if routers is not None:  # each [B * width, E], row-major
-            per_row = [[r.view(len(ids), width, -1)[row, :n] for r in routers] for row, n in enumerate(lengths)]
+            per_row = [
+                [r.view(len(ids), width, -1)[row, :n] for r in routers] for row, n in enumerate(lengths)
+            ]
         return [hidden[row, :n] for row, n in enumerate(lengths)], per_row
 
     def _forward_packed(self, ids, start, stack):
@@ -412,7 +409,9 @@ class TreeExecutor:
         padding, and the past K/V is not replicated per leaf."""
         lengths = [t.numel() for t in ids]
         positions, mask = packed_inputs(lengths, start, self.lm.lm_head.weight.dtype, self.device)
-        hidden, _, routers = self._forward(torch.cat(ids)[None], start, stack, positions=positions, attention_mask=mask)
+        hidden, _, routers = self._forward(
+            torch.cat(ids)[None], start, stack, positions=positions, attention_mask=mask
+        )
         per_row = [None] * len(ids)
         if routers is not None:  # each [total, E]
             per_row = [list(rows) for rows in zip(*(r.split(lengths) for r in routers), strict=True)]

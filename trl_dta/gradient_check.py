@@ -19,7 +19,12 @@ class GradientCheck:
         self.tolerance = tolerance
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.saved = [p.grad for p in self.params]
-        state = (trainer._metrics, trainer.entropy_coef, trainer._entropy_window_stats, trainer._last_world_entropy)
+        state = (
+            trainer._metrics,
+            trainer.entropy_coef,
+            trainer._entropy_window_stats,
+            trainer._last_world_entropy,
+        )
         trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         trainer._tree_dense_passes = True  # TRL's own log-prob passes, with their graph
         try:
@@ -27,10 +32,17 @@ class GradientCheck:
                 p.grad = None
             for inputs in batches:
                 GRPOTrainer._compute_loss(trainer, model, inputs).backward()
-            self.dense = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in self.params]
+            self.dense = [
+                torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in self.params
+            ]
         finally:
             trainer._tree_dense_passes = False
-            trainer._metrics, trainer.entropy_coef, trainer._entropy_window_stats, trainer._last_world_entropy = state
+            (
+                trainer._metrics,
+                trainer.entropy_coef,
+                trainer._entropy_window_stats,
+                trainer._last_world_entropy,
+            ) = state
         for p in self.params:
             p.grad = None
 
@@ -46,7 +58,8 @@ class GradientCheck:
                 p.grad = tree + before
         if worst > self.tolerance:
             raise RuntimeError(
-                f"tree_check_gradients: the tree walk's gradients differ from the dense path's by {worst:.3e} "
+                "tree_check_gradients: the tree walk's gradients differ from the dense path's by "
+                f"{worst:.3e} "
                 f"(relative, worst tensor; tolerance {self.tolerance}). Please report this model."
             )
         return worst

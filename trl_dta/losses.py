@@ -49,10 +49,12 @@ class LossSettings:
     steps_per_generation: int
 
     @classmethod
-    def from_trainer(cls, trainer) -> "LossSettings":
+    def from_trainer(cls, trainer) -> LossSettings:
         args = trainer.args
         if trainer.loss_type not in LOSS_TYPES:
-            raise ValueError(f"loss_type {trainer.loss_type!r} is not supported by the tree trainer ({LOSS_TYPES}).")
+            raise ValueError(
+                f"loss_type {trainer.loss_type!r} is not supported by the tree trainer ({LOSS_TYPES})."
+            )
         return cls(
             loss_type=trainer.loss_type,
             epsilon_low=trainer.epsilon_low,
@@ -92,7 +94,14 @@ class RowLoss:
     """
 
     def __init__(
-        self, settings, inputs, accumulation_steps, entropy_mask=None, entropy_coef=0.0, training=True, rows=None
+        self,
+        settings,
+        inputs,
+        accumulation_steps,
+        entropy_mask=None,
+        entropy_coef=0.0,
+        training=True,
+        rows=None,
     ):
         self.s = settings
         self.inputs = inputs

@@ -45,7 +45,7 @@ class SavedTensorMeter:
     def _unpack(packed: _Packed) -> torch.Tensor:
         return packed.tensor
 
-    def __enter__(self) -> "SavedTensorMeter":
+    def __enter__(self) -> SavedTensorMeter:
         self._hooks.__enter__()
         return self
 

@@ -202,7 +202,9 @@ def probe(lm, try_packing: bool) -> bool:
         )
     errs = []
     with _unsupported_on_failure(name):
-        for leaf, ref in zip(leaves, dense_leaves):  # one leaf at a time, then as a right-padded batch
+        for leaf, ref in zip(
+            leaves, dense_leaves, strict=True
+        ):  # one leaf at a time, then as a right-padded batch
             hidden, _ = lm.forward(ids(leaf), len(prefix), past)
             errs.append(_rel(logits(hidden), ref[len(prefix) :]))
         batch = torch.zeros(len(leaves), max(map(len, leaves)), dtype=torch.long, device=device)
@@ -210,7 +212,7 @@ def probe(lm, try_packing: bool) -> bool:
             batch[row, : len(leaf)] = torch.tensor(leaf, device=device)
         rows = [(k.expand(len(leaves), -1, -1, -1), v.expand(len(leaves), -1, -1, -1)) for k, v in past]
         hidden, _ = lm.forward(batch, len(prefix), rows)
-        for row, (leaf, ref) in enumerate(zip(leaves, dense_leaves)):
+        for row, (leaf, ref) in enumerate(zip(leaves, dense_leaves, strict=True)):
             errs.append(_rel(logits(hidden[row : row + 1, : len(leaf)]), ref[len(prefix) :]))
     err = max(errs)
     if not err <= tolerance:
@@ -232,7 +234,7 @@ def _packing_is_exact(lm, past, prefix, leaves, dense_leaves, tolerance) -> bool
         tokens = torch.tensor([t for leaf in leaves for t in leaf], device=device)[None]
         hidden, _ = lm.forward(tokens, len(prefix), past, positions=positions, attention_mask=mask)
         got = lm.logits(hidden, 1.0)[0].to(torch.float64).split([len(x) for x in leaves])
-        err = max(_rel(g, ref[len(prefix) :]) for g, ref in zip(got, dense_leaves))
+        err = max(_rel(g, ref[len(prefix) :]) for g, ref in zip(got, dense_leaves, strict=True))
     except Exception as e:  # noqa: BLE001 - e.g. ALiBi built from a 2-D mask fails on a 4-D one
         logger.info("%s: sibling leaves are forwarded as a padded batch; packing them fails: %r", name, e)
         return False

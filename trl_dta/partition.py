@@ -168,11 +168,11 @@ def _range_min(values: np.ndarray, left: np.ndarray, right: np.ndarray) -> tuple
     out_i = np.zeros(len(left), dtype=np.int64)
     for j in np.unique(level):
         sel = (level == j) & ~empty
-        l, r = left[sel], right[sel] - (1 << int(j)) + 1
-        v1, v2 = levels[j][l], levels[j][r]
+        lo, hi = left[sel], right[sel] - (1 << int(j)) + 1
+        v1, v2 = levels[j][lo], levels[j][hi]
         pick = v2 < v1
         out_v[sel] = np.where(pick, v2, v1)
-        out_i[sel] = np.where(pick, index[j][r], index[j][l])
+        out_i[sel] = np.where(pick, index[j][hi], index[j][lo])
     return out_v, out_i
 
 

@@ -29,6 +29,7 @@ Rules:
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from .trie import PrefixTrie, TrieNode
@@ -79,7 +80,7 @@ class _Builder:
 
     def _pieces(self, node: TrieNode) -> list[Segment]:
         cuts = list(range(node.start, node.end, self.block_size)) + [node.end]
-        pieces = [Segment(node, a, b) for a, b in zip(cuts[:-1], cuts[1:])]
+        pieces = [Segment(node, a, b) for a, b in itertools.pairwise(cuts)]
         last = pieces[-1]
         pieces[-1] = Segment(node, last.start, last.end, tuple(node.terminals))
         return pieces

@@ -23,7 +23,11 @@ def batch_rows(batch: dict) -> list[Row]:
     """Every row of ``batch`` (a dict with TRL's prompt/completion ids and masks) as a :class:`Row`."""
     rows = []
     for p_ids, p_mask, c_ids, c_mask in zip(
-        batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"], strict=True
+        batch["prompt_ids"],
+        batch["prompt_mask"],
+        batch["completion_ids"],
+        batch["completion_mask"],
+        strict=True,
     ):
         prompt = p_ids[p_mask.bool()]
         real = c_mask.nonzero()

@@ -97,9 +97,13 @@ class TreePPOTrainer(GRPOTrainer):
         self._tree_ordered = None  # the buffered micro-batches last put in lexicographic order
         self._loss_settings = LossSettings.from_trainer(self)
         if a.fp16:
-            raise ValueError("fp16 mixed precision (gradient scaling) is not supported by the tree walk; use bf16.")
+            raise ValueError(
+                "fp16 mixed precision (gradient scaling) is not supported by the tree walk; use bf16."
+            )
         if getattr(a, "use_liger_kernel", False):
-            raise ValueError("use_liger_kernel replaces the loss computation; it is not supported by the tree walk.")
+            raise ValueError(
+                "use_liger_kernel replaces the loss computation; it is not supported by the tree walk."
+            )
         kind = self.accelerator.distributed_type
         if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
             raise ValueError(
@@ -134,7 +138,11 @@ class TreePPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ opt-in: lexicographic steps
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
-        if self._tree_lexicographic and self.model.training and self._buffered_inputs is not self._tree_ordered:
+        if (
+            self._tree_lexicographic
+            and self.model.training
+            and self._buffered_inputs is not self._tree_ordered
+        ):
             self._buffered_inputs = self._tree_ordered = self._lexicographic(self._buffered_inputs)
             inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         return inputs
@@ -167,9 +175,15 @@ class TreePPOTrainer(GRPOTrainer):
     ):  # fmt: skip
         if self._tree_dense_passes:
             return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
                 **multimodal,
-            )  # fmt: skip
+            )
         if self._tree_detached is not None:  # TRL's _compute_loss, run for its metrics on the walk's values
             return self._tree_detached
         if any(multimodal.get(k) is not None for k in _MULTIMODAL):
@@ -177,15 +191,22 @@ class TreePPOTrainer(GRPOTrainer):
         if torch.is_grad_enabled():
             raise RuntimeError("TreePPOTrainer computes gradients through the tree walk, not the dense path.")
         prompt_len = input_ids.shape[1] - logits_to_keep
-        batch = {"prompt_ids": input_ids[:, :prompt_len], "prompt_mask": attention_mask[:, :prompt_len],
-                 "completion_ids": input_ids[:, prompt_len:], "completion_mask": attention_mask[:, prompt_len:]}  # fmt: skip
+        batch = {
+            "prompt_ids": input_ids[:, :prompt_len],
+            "prompt_mask": attention_mask[:, :prompt_len],
+            "completion_ids": input_ids[:, prompt_len:],
+            "completion_mask": attention_mask[:, prompt_len:],
+        }
         trie, owners = self._trie([batch])
         logps = torch.zeros(input_ids.shape[0], logits_to_keep, device=input_ids.device)
         entropies = torch.zeros_like(logps) if compute_entropy else None
         if trie is not None:
             with self.accelerator.autocast():
                 out = self._executor(model).logprobs(
-                    trie, self.temperature, entropies=compute_entropy, score_from=[p - 1 for _, _, p in owners]
+                    trie,
+                    self.temperature,
+                    entropies=compute_entropy,
+                    score_from=[p - 1 for _, _, p in owners],
                 )
             lps, ents = out if compute_entropy else (out, None)
             for k, (_, i, _) in enumerate(owners):
@@ -215,7 +236,9 @@ class TreePPOTrainer(GRPOTrainer):
             raise ValueError("The TreePPOTrainer does not support returning outputs")
         multimodal = [k for k in _MULTIMODAL if inputs.get(k) is not None]
         if multimodal:
-            raise ValueError(f"multimodal inputs ({', '.join(multimodal)}) are not supported by the tree walk.")
+            raise ValueError(
+                f"multimodal inputs ({', '.join(multimodal)}) are not supported by the tree walk."
+            )
         mode = "train" if self.model.training else "eval"
         if mode == "train" and torch.is_grad_enabled():
             walked = self._walked_in_step(model, inputs)
@@ -257,7 +280,9 @@ class TreePPOTrainer(GRPOTrainer):
         """TRL's loss for one micro-batch, per row: the micro-batch constants are settled here."""
         entropy_mask = None
         if self.top_entropy_quantile < 1.0:  # couples the micro-batch's rows: its entropies come first
-            entropy_mask = self.get_high_entropy_mask(entropies, loss_mask(inputs), 1 - self.top_entropy_quantile)
+            entropy_mask = self.get_high_entropy_mask(
+                entropies, loss_mask(inputs), 1 - self.top_entropy_quantile
+            )
         entropy_coef = 0.0
         if self._entropy_bonus_enabled:  # TRL applies the coefficient set at the end of the previous step
             entropy_coef = self.entropy_coef
@@ -309,13 +334,22 @@ class TreePPOTrainer(GRPOTrainer):
             with self.accelerator.autocast():
                 router_grad = None
                 if self.aux_loss_enabled:  # MoE: TRL's load-balancing loss, exactly (trl_dta/router_loss.py)
-                    router_grad = self._router_grad(executor, trie, owners, len(batches), training, auxes, aux_terms)
+                    router_grad = self._router_grad(
+                        executor, trie, owners, len(batches), training, auxes, aux_terms
+                    )
                 if training:
                     executor.backward(
-                        trie, loss_fn, self.temperature, entropies=True, router_grad=router_grad, score_from=score_from
+                        trie,
+                        loss_fn,
+                        self.temperature,
+                        entropies=True,
+                        router_grad=router_grad,
+                        score_from=score_from,
                     )
                 else:
-                    lps, ents = executor.logprobs(trie, self.temperature, entropies=True, score_from=score_from)
+                    lps, ents = executor.logprobs(
+                        trie, self.temperature, entropies=True, score_from=score_from
+                    )
                     for k, (lp, ent) in enumerate(zip(lps, ents, strict=True)):
                         loss_fn(k, lp, ent)
             metrics = self._metrics["train" if training else "eval"]
@@ -326,8 +360,12 @@ class TreePPOTrainer(GRPOTrainer):
         if self.aux_loss_enabled:
             auxes = [torch.zeros((), device=device) if a is None else a for a in auxes]
         return [
-            _Walked(lp, ent, aux, float(sum(t.double() for t in tot)), float(sum(m.double() for m in mag)), term)
-            for lp, ent, aux, tot, mag, term in zip(logps, entropies, auxes, totals, magnitudes, aux_terms, strict=True)
+            _Walked(
+                lp, ent, aux, float(sum(t.double() for t in tot)), float(sum(m.double() for m in mag)), term
+            )
+            for lp, ent, aux, tot, mag, term in zip(
+                logps, entropies, auxes, totals, magnitudes, aux_terms, strict=True
+            )
         ]
 
     def _router_grad(self, executor, trie, owners, num_batches, training, auxes, aux_terms):
@@ -361,7 +399,8 @@ class TreePPOTrainer(GRPOTrainer):
             expected = walked.policy * configured / rows + walked.aux_term
         if abs(float(loss) - expected) > 1e-4 * walked.magnitude + 1e-7:  # fp32 rounding of a sum of terms
             raise RuntimeError(
-                f"TRL's loss on the walk's log-probs ({float(loss):.8g}) differs from the sum of the per-row losses "
+                f"TRL's loss on the walk's log-probs ({float(loss):.8g}) differs from the sum of the "
+                "per-row losses "
                 f"({expected:.8g}): trl_dta's RowLoss no longer mirrors this TRL version's loss."
             )
         return torch.tensor(total, device=loss.device, dtype=loss.dtype) if padded else loss

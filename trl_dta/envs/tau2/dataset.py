@@ -18,7 +18,7 @@ In each turn you can either:
 You cannot do both at the same time.
 When the user replies ###STOP### (or ###TRANSFER###), the conversation is over: end with a short final message without any tool call.
 
-Try to be helpful and always follow the policy. Always make sure you generate valid JSON only."""
+Try to be helpful and always follow the policy. Always make sure you generate valid JSON only."""  # noqa: E501
 
 AGENT_INSTRUCTION_NO_POLICY = AGENT_INSTRUCTION.replace(" according to the <policy> provided below", "")
 
