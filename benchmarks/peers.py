@@ -40,7 +40,7 @@ tokens PrefixGrouper forwards is its own ideal.
 Protocol: every method first runs once, metered (autograd-saved activations via ``SavedTensorMeter``; peak
 RSS increase on CPU, ``torch.cuda.max_memory_allocated`` increase on CUDA), and its gradients are compared
 with dense's (``max over tensors of max|g - g_dense| / max|g_dense|``); a method whose gradients differ
-(> 1e-4 in fp32, > 5e-2 in bf16) is reported as a mismatch, not timed, and the script exits non-zero. Then
+(> 1e-4 in fp32, > 1e-1 in bf16) is reported as a mismatch, not timed, and the script exits non-zero. Then
 ``--repeats`` rounds of all methods in alternation; times are medians. A method that runs out of memory is
 reported as OOM. Extra parts: peak memory against the number of leaves (one group, growing G), and the time
 breakdown of TreePPOTrainer steps (tests/grpo_setup.py's offline fixture; needs TRL; CPU profiles only).
@@ -78,7 +78,9 @@ LABELS = {
     "tree_mask": "packed tree mask (sdpa)",
     "tree": "TreeExecutor (walk)",
 }
-TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+# bf16: two exact methods already differ by ~1e-2 (measured, tiny model); a wrong mask or position is O(1).
+# The strict check of the GPU kernels is --parity, in fp32.
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10, torch.bfloat16: 1e-1, torch.float16: 1e-1}
 
 # Random-weight Qwen3 shapes. "cpu": the shape benchmarks/executor.py uses (the 32k vocabulary makes the LM
 # head and the fp32 logits dominate, as in small real models). Qwen3-0.6B/1.7B: the published configs.
@@ -181,8 +183,8 @@ def grpo_shape(name, vocab, prompt, group, completion, groups=1, seed=0) -> Work
 
 def tau2_shape(name, vocab, tasks, group, system, prompt, turn, final, seed=0) -> Workload:
     """τ²-shaped multi-turn step: a system prompt + tool schemas shared by every task; per task a user
-    prompt (TRL's prompt = system + user); the completion is a first tool-call turn + tool response shared by half
-    the group, a second one shared by a quarter, then each rollout's own final turns (U[f/2, 3f/2])."""
+    prompt (TRL's prompt = system + user); the completion is a first tool-call turn + tool response shared by
+    half the group, a second one shared by a quarter, then each rollout's own final turns (U[f/2, 3f/2])."""
     rng = np.random.default_rng(seed)
     rand = lambda n: rng.integers(0, vocab, size=int(n)).tolist()
     sys_tokens, gs = rand(system), []
@@ -199,10 +201,18 @@ def tau2_shape(name, vocab, tasks, group, system, prompt, turn, final, seed=0) -
     return Workload(name, "tau2", gs, _advantages(rng, tasks, group))
 
 
-def shapes_for(profile: str, vocab: int) -> list[Workload]:
+_LENGTHS = ("prompt", "completion", "system", "turn", "final")
+
+
+def _scaled(kwargs: dict, scale: float) -> dict:
+    return {k: (max(2, int(v * scale)) if k in _LENGTHS else v) for k, v in kwargs.items()}
+
+
+def shapes_for(profile: str, vocab: int, scale: float = 1.0) -> list[Workload]:
+    """The profile's shapes; ``scale`` multiplies every length (a dry run of a big profile on a CPU)."""
     g, t = (
-        (lambda *a, **k: grpo_shape(*a, vocab=vocab, **k)),
-        (lambda *a, **k: tau2_shape(*a, vocab=vocab, **k)),
+        (lambda *a, **k: grpo_shape(*a, vocab=vocab, **_scaled(k, scale))),
+        (lambda *a, **k: tau2_shape(*a, vocab=vocab, **_scaled(k, scale))),
     )
     if profile == "quick":
         return [
@@ -210,13 +220,15 @@ def shapes_for(profile: str, vocab: int) -> list[Workload]:
             t("tau2-tiny", tasks=2, group=4, system=96, prompt=16, turn=16, final=24),
             g("long-512-g2", prompt=512, group=2, completion=32),
         ]
-    if profile == "cpu":  # GRPO prompts 0.5-2k (scaled down from 1-4k for 2 CPU cores), 8-16 completions
+    if (
+        profile == "cpu"
+    ):  # scaled down for 2 shared CPU cores: prompts 0.5-3k, 4-16 completions, ~8-13k tokens
         return [
             g("grpo-512-g16", prompt=512, group=16, completion=64),
-            g("grpo-1k-g8", prompt=1024, group=8, completion=192),
-            g("grpo-2k-g8", prompt=2048, group=8, completion=64),
-            t("tau2-2x8", tasks=2, group=8, system=512, prompt=64, turn=96, final=128),
-            g("long-4k-g4", prompt=4096, group=4, completion=128),
+            g("grpo-1k-g8", prompt=1024, group=8, completion=128),
+            g("grpo-2k-g4", prompt=2048, group=4, completion=64),
+            t("tau2-2x8", tasks=2, group=8, system=384, prompt=64, turn=96, final=96),
+            g("long-3k-g4", prompt=3072, group=4, completion=128),
         ]
     if profile == "gpu":  # 4k-16k contexts
         return [
@@ -228,13 +240,14 @@ def shapes_for(profile: str, vocab: int) -> list[Workload]:
     raise ValueError(profile)
 
 
-def leaves_sweep(profile: str, vocab: int) -> list[Workload]:
+def leaves_sweep(profile: str, vocab: int, scale: float = 1.0) -> list[Workload]:
     """One GRPO group with a growing number of completions: peak memory against the number of leaves."""
     prompt, completion, sizes = {
         "quick": (128, 32, [2, 4, 8]),
-        "cpu": (512, 96, [2, 4, 8, 16, 32]),
+        "cpu": (256, 64, [2, 4, 8, 16, 32]),
         "gpu": (4096, 512, [2, 4, 8, 16, 32]),
     }[profile]
+    prompt, completion = max(2, int(prompt * scale)), max(2, int(completion * scale))
     return [grpo_shape(f"leaves-{n}", vocab, prompt, n, completion, seed=n) for n in sizes]
 
 
@@ -290,8 +303,11 @@ class Context:
 
 def run_dense(ctx: Context, wl: Workload, checkpointing: bool = False) -> None:
     model, rows = ctx.model, wl.num_rows
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:  # transformers >= 5.2x renamed it; 5.17 (the GPU machine) has only the old name
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # HF checkpoints only in training mode; dropout is 0 in these configs
     try:
         lo = 0
@@ -310,7 +326,7 @@ def run_dense(ctx: Context, wl: Workload, checkpointing: bool = False) -> None:
             lo += len(comps)
     finally:
         if checkpointing:
-            model.gradient_checkpointing_disable()
+            getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
             model.eval()
 
 
@@ -818,6 +834,50 @@ def plan(args) -> list[tuple[str, str]]:
     return [(m, a) for m in args.models.split(",") for a in attns]
 
 
+def show_plan(args) -> int:
+    """Print what a run would do (configurations, shapes and their sizes) and check the shapes fit the
+    models' position range; no model is built. Returns 1 if a shape does not fit."""
+    configs = plan(args)
+    print(
+        f"profile {args.profile}: {args.dtype} on {args.device}, repeats {args.repeats}, "
+        f"block_size {args.block_size}"
+    )
+    print("configurations: " + ", ".join(f"{m}/{a}" for m, a in configs))
+    bad = 0
+    for name in dict.fromkeys(m for m, _ in configs):
+        p = MODELS[name]
+        params = p["vocab_size"] * p["hidden_size"] * (1 if p["tie_word_embeddings"] else 2) + p[
+            "num_hidden_layers"
+        ] * (
+            p["hidden_size"] * p["head_dim"] * (2 * p["num_attention_heads"] + 2 * p["num_key_value_heads"])
+            + 3 * p["hidden_size"] * p["intermediate_size"]
+        )
+        print(f"model {name}: ~{params / 1e6:.0f}M parameters")
+        rows = []
+        shapes = shapes_for(args.profile, p["vocab_size"], args.scale)
+        if not args.no_sweep:
+            shapes += leaves_sweep(args.profile, p["vocab_size"], args.scale)
+        for wl in shapes:
+            s = wl.stats()
+            s["mask_mib"] = s["unique"] ** 2 / 2**20  # the packed tree mask, bool
+            s["fits"] = "yes" if s["longest"] <= 40_960 else "NO"
+            bad += s["fits"] != "yes"
+            rows.append(s)
+        cols = [("shape", "shape", "{}"), ("rows", "rows", "{}"), ("tokens", "tokens", "{:,}")]
+        cols += [
+            ("unique", "unique", "{:,}"),
+            ("dedup", "dedup", "{:.2f}x"),
+            ("pg dedup", "pg_dedup", "{:.2f}x"),
+        ]
+        cols += [
+            ("longest", "longest", "{:,}"),
+            ("tree mask MiB", "mask_mib", "{:.0f}"),
+            ("fits", "fits", "{}"),
+        ]
+        print(common.format_table(rows, cols))
+    return 1 if bad else 0
+
+
 def parity(args, log) -> int:
     """fp32 gradients of every method (and of the executor's chunked and unpacked paths) against dense on the
     device, on the quick shapes and the tiny model; no timing. Returns the number of failures."""
@@ -863,6 +923,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, help="timed rounds after the metered run")
     ap.add_argument("--block_size", type=int, help="TreeExecutor block_size")
     ap.add_argument("--no_sweep", action="store_true", help="skip peak memory vs number of leaves")
+    ap.add_argument("--scale", type=float, default=1.0, help="multiply every sequence length (dry runs)")
+    ap.add_argument("--plan", action="store_true", help="print the configurations and shapes, run nothing")
     ap.add_argument("--breakdown_steps", type=int, help="TreePPOTrainer steps for the breakdown (0: skip)")
     ap.add_argument(
         "--time_budget", type=float, default=0, help="seconds; stop starting new configs after it"
@@ -888,6 +950,8 @@ def main() -> int:
     def log(msg):
         print(msg, flush=True)
 
+    if args.plan:
+        return show_plan(args)
     if args.parity:
         return 1 if parity(args, log) else 0
 
@@ -897,6 +961,44 @@ def main() -> int:
     load_before = common.warn_if_busy(args.threads)
     wall = time.perf_counter()
     results, sweep, skipped = [], [], []
+    breakdown = None
+    name = "peers" if args.profile == "cpu" else f"peers_{args.profile}"
+
+    def save(final: bool = False) -> None:
+        """JSON and markdown tables after every shape (a run killed by a timeout keeps what it measured);
+        the plots at the end."""
+        env = common.environment(
+            load_before, time.perf_counter() - wall, profile=args.profile, dtype=args.dtype,
+            device=args.device, repeats=args.repeats, skipped=skipped, complete=final,
+        )  # fmt: skip
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+            data = {
+                "args": vars(args),
+                "env": env,
+                "results": results,
+                "sweep": sweep,
+                "breakdown": breakdown,
+            }
+            json.dump(data, f, indent=2, default=str)
+        with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+            f.write(common.markdown_table(results, COLUMNS) + "\n\n")
+            if sweep:
+                f.write(common.markdown_table(sweep, SWEEP_COLUMNS) + "\n")
+        if not final:
+            return
+        where = f"{env.get('gpu', env['processor'])}, {args.dtype}"
+        if results:
+            plot_speedup(
+                results, os.path.join(args.plots, f"{name}_speedup.png"), f"Speedup vs dedup ({where})"
+            )
+        if sweep:
+            title = f"Peak memory vs leaves: one group ({where})"
+            plot_memory(
+                sweep, os.path.join(args.plots, f"{name}_memory.png"), title, torch.device(args.device).type
+            )
+        if breakdown:
+            plot_breakdown(breakdown, os.path.join(args.plots, f"{name}_trainer_step.png"))
+
     for model_name, attn in plan(args):
         if args.time_budget and time.perf_counter() - wall > args.time_budget:
             skipped.append(f"{model_name}/{attn}")
@@ -906,7 +1008,7 @@ def main() -> int:
         ctx = Context(model, args.device, attn, args.block_size)
         ms = [m for m in methods if not (m == "tree_mask" and attn not in ("sdpa", "eager"))]
         wanted = set(args.shapes.split(",")) if args.shapes else None
-        for wl in shapes_for(args.profile, MODELS[model_name]["vocab_size"]):
+        for wl in shapes_for(args.profile, MODELS[model_name]["vocab_size"], args.scale):
             if wanted and wl.name not in wanted:
                 continue
             if args.time_budget and time.perf_counter() - wall > args.time_budget:
@@ -920,66 +1022,32 @@ def main() -> int:
             )
             for r in measure(ctx, wl, ms, args.repeats, tolerance, log):
                 results.append(dict(r, model=model_name, attn=attn, load=common.load_average()))
+            save()
         if not args.no_sweep and attn == plan(args)[0][1] and model_name == plan(args)[0][0]:
-            for wl in leaves_sweep(args.profile, MODELS[model_name]["vocab_size"]):
+            for wl in leaves_sweep(args.profile, MODELS[model_name]["vocab_size"], args.scale):
                 if args.time_budget and time.perf_counter() - wall > args.time_budget:
                     skipped.append(f"sweep/{wl.name}")
                     continue
                 log(f"[sweep {wl.name}]")
                 for r in measure(ctx, wl, ms, 0, tolerance, log):
                     sweep.append(dict(r, model=model_name, attn=attn))
+                save()
         del ctx, model
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    breakdown = None
     if args.breakdown_steps:
         log(f"[trainer breakdown] {args.breakdown_steps} TreePPOTrainer steps")
         breakdown = trainer_breakdown(args.breakdown_steps, args.profile == "quick")
         log("  " + ", ".join(f"{k} {v:.3f} s" for k, v in breakdown["parts_s"].items()))
-    wall = time.perf_counter() - wall
-
-    table = common.format_table(results, COLUMNS)
-    print("\n" + table)
+    save(final=True)
+    print("\n" + common.format_table(results, COLUMNS))
     if sweep:
         print("\n" + common.format_table(sweep, SWEEP_COLUMNS))
-    env = common.environment(
-        load_before,
-        wall,
-        profile=args.profile,
-        dtype=args.dtype,
-        device=args.device,
-        repeats=args.repeats,
-        skipped=skipped,
-    )
     print(
-        f"\nmedian of {args.repeats} alternating run(s); {env['threads']} threads; load before "
-        f"{load_before:.2f}, after {env['load_avg_1min_after']:.2f}; wall {wall:.0f} s"
+        f"\nmedian of {args.repeats} alternating run(s); {torch.get_num_threads()} threads; load before "
+        f"{load_before:.2f}, after {common.load_average():.2f}; wall {time.perf_counter() - wall:.0f} s"
         + (f"; skipped (time budget): {skipped}" if skipped else "")
     )
-    name = "peers" if args.profile == "cpu" else f"peers_{args.profile}"
-    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-        json.dump(
-            {"args": vars(args), "env": env, "results": results, "sweep": sweep, "breakdown": breakdown},
-            f,
-            indent=2,
-            default=str,
-        )
-    with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(common.markdown_table(results, COLUMNS) + "\n\n")
-        if sweep:
-            f.write(common.markdown_table(sweep, SWEEP_COLUMNS) + "\n")
-    where = f"{env.get('gpu', env['processor'])}, {args.dtype}"
-    if results:
-        plot_speedup(results, os.path.join(args.plots, f"{name}_speedup.png"), f"Speedup vs dedup ({where})")
-    if sweep:
-        plot_memory(
-            sweep,
-            os.path.join(args.plots, f"{name}_memory.png"),
-            f"Peak memory vs leaves: one group ({where})",
-            torch.device(args.device).type,
-        )
-    if breakdown:
-        plot_breakdown(breakdown, os.path.join(args.plots, f"{name}_trainer_step.png"))
     print(f"wrote {args.out}/{name}.json, {name}.md and plots under {args.plots}")
     bad = [r for r in results + sweep if r["status"] == "grad mismatch"]
     if bad:
