@@ -1,7 +1,7 @@
 """Helpers shared by the benchmark scripts: machine/load record, aligned tables, timing, peak memory.
 
 Kept free of trl_dta and of TRL so that every script (and ``benchmarks/gpu.sh`` on a machine without TRL)
-can import it.
+can import it; torch is imported only by the helpers that use it (benchmarks/partition.py needs none).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import os
 import platform
 import time
 from typing import Self
-
-import torch
 
 # ------------------------------------------------------------------------------------------------ machine
 
@@ -41,6 +39,7 @@ def warn_if_busy(threads: int, limit: float = 0.5) -> float:
 
 def environment(load_before: float, wall_s: float, **extra) -> dict:
     """What a result file needs to be read later: versions, machine, date, load average before and after."""
+    import torch
     import transformers
 
     env = {
@@ -115,7 +114,9 @@ def pyplot():
 # ------------------------------------------------------------------------------------------------ timing
 
 
-def synchronize(device: torch.device | str | None = None) -> None:
+def synchronize(device=None) -> None:
+    import torch
+
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -161,11 +162,15 @@ class PeakMemory:
     after trimming the heap; ``None`` where the OS offers neither.
     """
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device="cpu"):
+        import torch
+
         self.device = torch.device(device)
         self.peak: int | None = None
 
     def __enter__(self) -> Self:
+        import torch
+
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -184,6 +189,8 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc) -> None:
+        import torch
+
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
