@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -77,6 +78,7 @@ LABELS = {
     "pg_lmhead": "PrefixGrouper, LM head on completions",
     "tree_mask": "packed tree mask (sdpa)",
     "tree": "TreeExecutor (walk)",
+    "tree_mask_fullhead": "packed tree mask, LM head on all tokens",
 }
 # bf16: two exact methods already differ by ~1e-2 (measured, tiny model); a wrong mask or position is O(1).
 # The strict check of the GPU kernels is --parity, in fp32.
@@ -439,7 +441,7 @@ def packed_tree(seqs: list[list[int]]):
     return tokens, depth, end[:next_id].tolist(), paths
 
 
-def run_tree_mask(ctx: Context, wl: Workload) -> None:
+def run_tree_mask(ctx: Context, wl: Workload, head_on_all: bool = False) -> None:
     model, rows = ctx.model, wl.rows
     tokens, depth, end, paths = packed_tree([s for s, _ in rows])
     n = len(tokens)
@@ -454,6 +456,8 @@ def run_tree_mask(ctx: Context, wl: Workload) -> None:
     targets = torch.cat([torch.as_tensor(s[plen:]) for s, plen in rows]).to(ctx.device)
     counts = torch.tensor([len(s) - plen for s, plen in rows], device=ctx.device)
     needed, inverse = torch.unique(score_ids, return_inverse=True)
+    if head_on_all:  # diagnostic: the LM head on every unique token, as the walk does
+        needed, inverse = ids, score_ids
     with ctx.attention("sdpa"):
         hidden = model.get_decoder()(
             input_ids=torch.as_tensor(tokens, device=ctx.device)[None],
@@ -485,6 +489,9 @@ RUNNERS = {
     "pg_lmhead": lambda ctx, wl: run_prefix_grouper(ctx, wl, lm_head_only=True),
     "tree_mask": run_tree_mask,
     "tree": run_tree,
+    # diagnostic, not in METHODS (--methods ...,tree_mask_fullhead): the LM head on every unique token, to
+    # measure how much of the walk's gap to tree_mask is its LM head on prompt positions
+    "tree_mask_fullhead": lambda ctx, wl: run_tree_mask(ctx, wl, head_on_all=True),
 }
 
 
@@ -510,6 +517,20 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def _release(model, device) -> None:
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _release(model, device) -> None:
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def measure(
     ctx: Context, wl: Workload, methods: list[str], repeats: int, tolerance: float, log
 ) -> list[dict]:
@@ -525,11 +546,10 @@ def measure(
             with common.PeakMemory(device) as peak, SavedTensorMeter(model) as saved:
                 seconds = common.timed(lambda m=m: RUNNERS[m](ctx, wl), device)
         except Exception as exc:  # noqa: BLE001 - an OOM or a failing peer is a result, not a crash
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
             res[m]["status"] = "OOM" if _is_oom(exc) else "error"
             res[m]["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        if res[m]["status"] != "ok":  # outside the except block: its traceback no longer pins the tensors
+            _release(model, device)
             log(f"  {m:10s} {res[m]['status']}: {res[m]['error'][:160]}")
             continue
         res[m].update(
@@ -557,8 +577,17 @@ def measure(
     runs = {m: [] for m in timed_methods}
     for _ in range(repeats):
         for m in timed_methods:
+            if res[m]["status"] != "ok":
+                continue
             model.zero_grad(set_to_none=True)
-            runs[m].append(common.timed(lambda m=m: RUNNERS[m](ctx, wl), device))
+            try:
+                runs[m].append(common.timed(lambda m=m: RUNNERS[m](ctx, wl), device))
+            except Exception as exc:  # noqa: BLE001 - e.g. an OOM from fragmentation in a later round
+                res[m]["status"] = "OOM" if _is_oom(exc) else "error"
+                res[m]["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            if res[m]["status"] != "ok":
+                _release(model, device)
+    timed_methods = [m for m in timed_methods if res[m]["status"] == "ok"]
     model.zero_grad(set_to_none=True)
     for m in timed_methods:
         res[m]["runs_s"] = runs[m]
@@ -701,6 +730,39 @@ SWEEP_COLUMNS = [
     ("peak MiB", "peak_mib", "{:.0f}"),
     ("grad err", "grad_err", "{:.1e}"),
 ]
+
+
+def pivot_markdown(results: list[dict]) -> str:
+    """One row per (model, attention, shape): time of dense, every method's speedup over it, and the saved
+    activations of every method (the README table)."""
+    methods = [m for m in METHODS if any(r["method"] == m for r in results)]
+    short = {"dense": "dense", "dense_ckpt": "ckpt", "pg": "PG", "pg_lmhead": "PG head",
+             "tree_mask": "tree mask", "tree": "walk"}  # fmt: skip
+    head = ["shape", "tokens", "dedup", "PG dedup", "dense s"] + [f"{short[m]} ×" for m in methods[1:]]
+    head += ["saved MiB: " + " / ".join(short[m] for m in methods)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keys = list(dict.fromkeys((r["model"], r["attn"], r["shape"]) for r in results))
+    for key in keys:
+        rs = {r["method"]: r for r in results if (r["model"], r["attn"], r["shape"]) == key}
+        first = next(iter(rs.values()))
+
+        def speed(m, rs=rs):
+            r = rs.get(m)
+            if r is None:
+                return "-"
+            return f"{r['vs_dense']:.2f}×" if r["status"] == "ok" and r.get("vs_dense") else r["status"]
+
+        dense = rs.get("dense", {})
+        row = [key[2], f"{first['tokens']:,}", f"{first['dedup']:.2f}", f"{first['pg_dedup']:.2f}"]
+        row += [f"{dense['time_s']:.2f}" if dense.get("time_s") else dense.get("status", "-")]
+        row += [speed(m) for m in methods[1:]]
+        row += [
+            " / ".join(
+                f"{rs[m]['saved_mib']:.0f}" if rs.get(m, {}).get("saved_mib") else "-" for m in methods
+            )
+        ]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def plot_speedup(results: list[dict], path: str, title: str) -> None:
@@ -880,11 +942,13 @@ def show_plan(args) -> int:
 
 def parity(args, log) -> int:
     """fp32 gradients of every method (and of the executor's chunked and unpacked paths) against dense on the
-    device, on the quick shapes and the tiny model; no timing. Returns the number of failures."""
+    device, on the quick shapes and the tiny model; no timing. flash-attn has no fp32 kernels: with it, bf16
+    and bf16's tolerance. Returns the number of failures."""
     failures = 0
     rows = []
-    for model_name, attn in plan(args):
-        model = make_model("tiny", args.device, torch.float32, attn)
+    for _, attn in plan(args):
+        dtype = torch.bfloat16 if attn.startswith("flash") else torch.float32
+        model = make_model("tiny", args.device, dtype, attn)
         ctx = Context(model, args.device, attn, block_size=256)
         extra = {
             "tree_chunked": TreeExecutor(model, block_size=40),  # chunked backward: blocks recomputed at pop
@@ -895,8 +959,8 @@ def parity(args, log) -> int:
         methods = [m for m in METHODS if not (attn == "flash_attention_2" and m == "tree_mask")] + list(extra)
         for wl in shapes_for("quick", MODELS["tiny"]["vocab_size"]):
             log(f"[parity {attn}] {wl.name}")
-            for r in measure(ctx, wl, methods, 0, 1e-4, log):
-                r.update(model="tiny", attn=attn)
+            for r in measure(ctx, wl, methods, 0, TOLERANCE[dtype], log):
+                r.update(model="tiny", attn=attn, dtype=str(dtype))
                 rows.append(r)
                 failures += r["status"] != "ok"
         del ctx, model
@@ -905,7 +969,8 @@ def parity(args, log) -> int:
     )
     with open(os.path.join(args.out, "parity.json"), "w") as f:
         json.dump(rows, f, indent=2, default=str)
-    print(f"parity: {len(rows) - failures}/{len(rows)} ok (fp32, tolerance 1e-4 relative)")
+    tolerances = f"fp32 {TOLERANCE[torch.float32]:g}, bf16 {TOLERANCE[torch.bfloat16]:g}"
+    print(f"parity: {len(rows) - failures}/{len(rows)} ok (relative tolerance: {tolerances})")
     return failures
 
 
@@ -981,6 +1046,8 @@ def main() -> int:
             }
             json.dump(data, f, indent=2, default=str)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+            if results:
+                f.write(pivot_markdown(results) + "\n\n")
             f.write(common.markdown_table(results, COLUMNS) + "\n\n")
             if sweep:
                 f.write(common.markdown_table(sweep, SWEEP_COLUMNS) + "\n")
