@@ -37,6 +37,18 @@ def warn_if_busy(threads: int, limit: float = 0.5) -> float:
     return load
 
 
+def processor_name() -> str:
+    """The CPU model (Linux /proc/cpuinfo), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(load_before: float, wall_s: float, **extra) -> dict:
     """What a result file needs to be read later: versions, machine, date, load average before and after."""
     import torch
@@ -47,7 +59,7 @@ def environment(load_before: float, wall_s: float, **extra) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": processor_name(),
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -825,6 +825,7 @@ def plot_memory(sweep: list[dict], path: str, title: str, device_kind: str) -> N
         ax.set(xlabel="leaves (completions in the group)", ylabel=label, xscale="log", yscale="log")
         ax.set_xticks(sorted({r["leaves"] for r in sweep}))
         ax.get_xaxis().set_major_formatter(plt.matplotlib.ticker.ScalarFormatter())
+        ax.get_xaxis().set_minor_formatter(plt.matplotlib.ticker.NullFormatter())
     axes[0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
@@ -841,10 +842,12 @@ def plot_breakdown(breakdown: dict, path: str) -> None:
         value = max(value, 0.0)
         ax.barh([0], [value], left=left, label=f"{name.replace('_', ' ')}: {value:.3f} s")
         left += value
+    n, dedup = breakdown.get("steps_averaged", breakdown["steps"]), breakdown.get("dedup_ratio") or 0
     ax.set(
         yticks=[],
-        xlabel="seconds per optimizer step (mean over steps after the first)",
-        title=f"One TreePPOTrainer step ({breakdown['step_s']:.2f} s; offline fixture, scripted generation)",
+        xlabel=f"seconds per optimizer step (mean of the last {n} steps; a generation every 2nd step)",
+        title=f"One TreePPOTrainer step: {breakdown['step_s']:.2f} s (offline fixture, scripted generation, "
+        f"dedup {dedup:.1f})",
     )
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=3)
     fig.tight_layout()
@@ -894,6 +897,26 @@ def plan(args) -> list[tuple[str, str]]:
             attns = [a for a in attns if a != "flash_attention_2"]
             print("flash-attn not installed: skipping attn=flash_attention_2")
     return [(m, a) for m in args.models.split(",") for a in attns]
+
+
+def draw_plots(data: dict, folder: str, name: str) -> None:
+    """The three plots from a result file's content (``--replot`` redraws them from the JSON alone)."""
+    env = data["env"]
+    where = (
+        env.get("gpu")
+        or f"{env['cpu_count']}-core {env['processor']}, load {env['load_avg_1min_before']:.1f}"
+    )
+    where += f", {env['dtype']}"
+    if data["results"]:
+        plot_speedup(
+            data["results"], os.path.join(folder, f"{name}_speedup.png"), f"Speedup vs dedup ({where})"
+        )
+    if data["sweep"]:
+        title = f"Peak memory vs leaves: one group ({where})"
+        kind = torch.device(env["device"]).type
+        plot_memory(data["sweep"], os.path.join(folder, f"{name}_memory.png"), title, kind)
+    if data.get("breakdown"):
+        plot_breakdown(data["breakdown"], os.path.join(folder, f"{name}_trainer_step.png"))
 
 
 def show_plan(args) -> int:
@@ -990,6 +1013,9 @@ def main() -> int:
     ap.add_argument("--no_sweep", action="store_true", help="skip peak memory vs number of leaves")
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every sequence length (dry runs)")
     ap.add_argument("--plan", action="store_true", help="print the configurations and shapes, run nothing")
+    ap.add_argument(
+        "--replot", metavar="JSON", help="redraw the plots of a result file into --plots, run nothing"
+    )
     ap.add_argument("--breakdown_steps", type=int, help="TreePPOTrainer steps for the breakdown (0: skip)")
     ap.add_argument(
         "--time_budget", type=float, default=0, help="seconds; stop starting new configs after it"
@@ -1015,6 +1041,10 @@ def main() -> int:
     def log(msg):
         print(msg, flush=True)
 
+    if args.replot:
+        with open(args.replot) as f:
+            draw_plots(json.load(f), args.plots, os.path.basename(args.replot).removesuffix(".json"))
+        return 0
     if args.plan:
         return show_plan(args)
     if args.parity:
@@ -1053,18 +1083,7 @@ def main() -> int:
                 f.write(common.markdown_table(sweep, SWEEP_COLUMNS) + "\n")
         if not final:
             return
-        where = f"{env.get('gpu', env['processor'])}, {args.dtype}"
-        if results:
-            plot_speedup(
-                results, os.path.join(args.plots, f"{name}_speedup.png"), f"Speedup vs dedup ({where})"
-            )
-        if sweep:
-            title = f"Peak memory vs leaves: one group ({where})"
-            plot_memory(
-                sweep, os.path.join(args.plots, f"{name}_memory.png"), title, torch.device(args.device).type
-            )
-        if breakdown:
-            plot_breakdown(breakdown, os.path.join(args.plots, f"{name}_trainer_step.png"))
+        draw_plots({"env": env, "results": results, "sweep": sweep, "breakdown": breakdown}, args.plots, name)
 
     for model_name, attn in plan(args):
         if args.time_budget and time.perf_counter() - wall > args.time_budget:
