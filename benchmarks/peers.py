@@ -1,9 +1,10 @@
 """Benchmark: the prefix-trie walk against the peers, same model, same loss, same gradients.
 
-    python benchmarks/peers.py                 # CPU, full: tables, JSON, plots under docs/ (~15 min, 2 cores)
+    python benchmarks/peers.py                 # CPU, full: tables, JSON, plots under docs/ (~25 min, 2 cores)
     python benchmarks/peers.py --quick         # CI-sized smoke run (tiny model and shapes, ~1 min)
     python benchmarks/peers.py --profile gpu   # what benchmarks/gpu.sh runs on a CUDA machine (bf16)
     python benchmarks/peers.py --parity        # fp32 gradient parity of every method on the device, no timing
+    python benchmarks/peers.py --replot docs/peers.json --plots docs   # redraw the plots of a result file
 
 Methods (each accumulates into ``.grad`` the gradient of the same loss: on-policy GRPO surrogate per
 rollout, ``-advantage x mean log-prob of its completion tokens / rows``, log-softmax in fp32):
@@ -44,6 +45,8 @@ with dense's (``max over tensors of max|g - g_dense| / max|g_dense|``); a method
 ``--repeats`` rounds of all methods in alternation; times are medians. A method that runs out of memory is
 reported as OOM. Extra parts: peak memory against the number of leaves (one group, growing G), and the time
 breakdown of TreePPOTrainer steps (tests/grpo_setup.py's offline fixture; needs TRL; CPU profiles only).
+``--methods ...,tree_mask_fullhead`` adds a diagnostic: the tree mask with the LM head on every unique
+token, as the walk computes it.
 """
 
 from __future__ import annotations
@@ -242,7 +245,9 @@ def shapes_for(profile: str, vocab: int, scale: float = 1.0) -> list[Workload]:
     raise ValueError(profile)
 
 
-def leaves_sweep(profile: str, vocab: int, scale: float = 1.0) -> list[Workload]:
+def leaves_sweep(
+    profile: str, vocab: int, scale: float = 1.0, leaves: list[int] | None = None
+) -> list[Workload]:
     """One GRPO group with a growing number of completions: peak memory against the number of leaves."""
     prompt, completion, sizes = {
         "quick": (128, 32, [2, 4, 8]),
@@ -250,6 +255,7 @@ def leaves_sweep(profile: str, vocab: int, scale: float = 1.0) -> list[Workload]
         "gpu": (4096, 512, [2, 4, 8, 16, 32]),
     }[profile]
     prompt, completion = max(2, int(prompt * scale)), max(2, int(completion * scale))
+    sizes = leaves or sizes
     return [grpo_shape(f"leaves-{n}", vocab, prompt, n, completion, seed=n) for n in sizes]
 
 
@@ -1011,6 +1017,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, help="timed rounds after the metered run")
     ap.add_argument("--block_size", type=int, help="TreeExecutor block_size")
     ap.add_argument("--no_sweep", action="store_true", help="skip peak memory vs number of leaves")
+    ap.add_argument(
+        "--sweep_leaves", help="comma-separated group sizes of the memory sweep (default: profile's)"
+    )
     ap.add_argument("--scale", type=float, default=1.0, help="multiply every sequence length (dry runs)")
     ap.add_argument("--plan", action="store_true", help="print the configurations and shapes, run nothing")
     ap.add_argument(
@@ -1110,7 +1119,8 @@ def main() -> int:
                 results.append(dict(r, model=model_name, attn=attn, load=common.load_average()))
             save()
         if not args.no_sweep and attn == plan(args)[0][1] and model_name == plan(args)[0][0]:
-            for wl in leaves_sweep(args.profile, MODELS[model_name]["vocab_size"], args.scale):
+            sizes = [int(n) for n in args.sweep_leaves.split(",")] if args.sweep_leaves else None
+            for wl in leaves_sweep(args.profile, MODELS[model_name]["vocab_size"], args.scale, sizes):
                 if args.time_budget and time.perf_counter() - wall > args.time_budget:
                     skipped.append(f"sweep/{wl.name}")
                     continue
