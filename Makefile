@@ -47,9 +47,8 @@ bench: venv
 	$(VPY) benchmarks/executor.py
 
 # The peer benchmark (dense ± checkpointing, PrefixGrouper, packed tree mask, the walk): README's table and
-# the plots under docs/ (~20-30 min on 2 cores; ARGS="--quick" for a smoke run). Needs the `bench` extra.
+# the plots under docs/ (~25 min on 2 cores; ARGS="--quick" for a smoke run). The venv has the `bench` extra.
 bench-peers: venv
-	$(VPY) -m pip install -q -e ".[bench]"
 	$(VPY) benchmarks/peers.py $(ARGS)
 
 # ---- demo: the tau2 recipe (recipes/ppo_tau2.py), offline, on CPU. Extra flags go in ARGS, e.g.
