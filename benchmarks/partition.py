@@ -75,6 +75,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
+import common  # noqa: E402
+
 from trl_dta.partition import lexicographic_partition as dfs_partition  # noqa: E402
 from trl_dta.trie import PrefixTrie  # noqa: E402
 
@@ -83,8 +86,11 @@ KS = (2, 8, 64)
 METHODS = ("trl", "greedy-raw", "greedy-tree", "dfs")
 SHAPES = ("grpo", "multiturn", "skewed")
 # number of prompts (grpo, skewed) / tasks (multiturn) per K; groups of 8 rollouts each
-NUM_PROMPTS = {"grpo": {2: 64, 8: 128, 64: 256}, "skewed": {2: 64, 8: 128, 64: 256},
-               "multiturn": {2: 32, 8: 32, 64: 64}}
+NUM_PROMPTS = {
+    "grpo": {2: 64, 8: 128, 64: 256},
+    "skewed": {2: 64, 8: 128, 64: 256},
+    "multiturn": {2: 32, 8: 32, 64: 64},
+}
 GROUP = 8
 
 
@@ -186,7 +192,7 @@ class _LexLCP:
         lv = (hi - lo + 1).bit_length() - 1
         row = self.levels[lv]
         x, y = row[lo], row[hi - (1 << lv) + 1]
-        return x if x < y else y
+        return min(y, x)
 
 
 def split_greedy_tree(seqs: list[np.ndarray], k: int, trie: PrefixTrie) -> tuple[list[list[int]], list[int]]:
@@ -250,51 +256,72 @@ def evaluate(shape: str, k: int, seed: int) -> list[dict]:
             assert running == loads, "incremental tree cost is not exact"
         mean = sum(loads) / k
         dup = sum(loads) - glob
-        rows.append(dict(
-            shape=shape, K=k, method=method, rollouts=len(seqs), raw_tokens=trie.num_tokens,
-            global_unique=glob, max_load=max(loads), mean_load=mean, max_over_mean=max(loads) / mean,
-            max_over_ideal=max(loads) / (glob / k), lower_bound=bound, max_over_bound=max(loads) / bound,
-            dup_tokens=dup, dup_pct=100.0 * dup / glob, rows_min=min(map(len, parts)),
-            rows_max=max(map(len, parts)), split_s=split_s, loads=loads,
-        ))
+        rows.append(
+            {
+                "shape": shape,
+                "K": k,
+                "method": method,
+                "rollouts": len(seqs),
+                "raw_tokens": trie.num_tokens,
+                "global_unique": glob,
+                "max_load": max(loads),
+                "mean_load": mean,
+                "max_over_mean": max(loads) / mean,
+                "max_over_ideal": max(loads) / (glob / k),
+                "lower_bound": bound,
+                "max_over_bound": max(loads) / bound,
+                "dup_tokens": dup,
+                "dup_pct": 100.0 * dup / glob,
+                "rows_min": min(map(len, parts)),
+                "rows_max": max(map(len, parts)),
+                "split_s": split_s,
+                "loads": loads,
+            }
+        )
     return rows
 
 
+COLUMNS = [  # (header, key, format)
+    ("shape", "shape", "{}"), ("K", "K", "{}"), ("rollouts", "rollouts", "{}"),
+    ("global uniq", "global_unique", "{:,}"), ("method", "method", "{}"),
+    ("max/mean", "max_over_mean", "{:.3f}"), ("max/ideal", "max_over_ideal", "{:.3f}"),
+    ("dup tok", "dup_tokens", "{:,}"), ("dup %", "dup_pct", "{:.2f}"), ("rows/rank", "rows_per_rank", "{}"),
+]  # fmt: skip
+
+
 def print_table(results: list[dict]) -> None:
-    head = (f"{'shape':10s} {'K':>3s} {'rollouts':>8s} {'global uniq':>11s}  {'method':11s} {'max/mean':>8s} "
-            f"{'max/ideal':>9s} {'dup tok':>9s} {'dup %':>6s} {'rows/rank':>9s}")
-    print(head)
-    print("-" * len(head))
-    prev = None
-    for r in results:
-        if prev is not None and (r["shape"], r["K"]) != prev:
-            print()
-        prev = (r["shape"], r["K"])
-        rows = f"{r['rows_min']}-{r['rows_max']}"
-        print(f"{r['shape']:10s} {r['K']:3d} {r['rollouts']:8d} {r['global_unique']:11,d}  {r['method']:11s} "
-              f"{r['max_over_mean']:8.3f} "
-              f"{r['max_over_ideal']:9.3f} {r['dup_tokens']:9,d} {r['dup_pct']:6.2f} {rows:>9s}")
+    for shape in SHAPES:  # one block per shape
+        for k in KS:
+            rows = [dict(r, rows_per_rank=f"{r['rows_min']}-{r['rows_max']}") for r in results
+                    if r["shape"] == shape and r["K"] == k]  # fmt: skip
+            print(common.format_table(rows, COLUMNS) + "\n")
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
+    plt = common.pyplot()
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("max_over_mean", "max / mean rank load"),
-              ("max_over_ideal", "max rank load / (global unique / K)"),
-              ("dup_pct", "duplicated tokens, % of global unique")]
-    fig, axes = plt.subplots(len(panels), len(SHAPES), figsize=(5 * len(SHAPES), 3.6 * len(panels)),
-                             squeeze=False)
+    panels = [
+        ("max_over_mean", "max / mean rank load"),
+        ("max_over_ideal", "max rank load / (global unique / K)"),
+        ("dup_pct", "duplicated tokens, % of global unique"),
+    ]
+    fig, axes = plt.subplots(
+        len(panels), len(SHAPES), figsize=(5 * len(SHAPES), 3.6 * len(panels)), squeeze=False
+    )
     width = 0.8 / len(METHODS)
     x = np.arange(len(KS))
     for col, shape in enumerate(SHAPES):
         for row, (key, label) in enumerate(panels):
             ax = axes[row][col]
             for m, method in enumerate(METHODS):
-                vals = [next(r[key] for r in results if r["shape"] == shape and r["K"] == k
-                             and r["method"] == method) for k in KS]
+                vals = [
+                    next(
+                        r[key]
+                        for r in results
+                        if r["shape"] == shape and r["K"] == k and r["method"] == method
+                    )
+                    for k in KS
+                ]
                 ax.bar(x + (m - (len(METHODS) - 1) / 2) * width, vals, width, label=method)
             ax.set_xticks(x, [f"K={k}" for k in KS])
             ax.set_ylabel(label)
@@ -315,15 +342,20 @@ def plot(results: list[dict], path: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
-                    help="folder for partition.json and partition.png")
+    ap.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
+        help="folder for partition.json and partition.png",
+    )
     args = ap.parse_args()
     t0 = time.perf_counter()
     results = [row for shape in SHAPES for k in KS for row in evaluate(shape, k, args.seed)]
     print_table(results)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "partition.json"), "w") as f:
-        json.dump(dict(args=vars(args), group=GROUP, num_prompts=NUM_PROMPTS, results=results), f, indent=1)
+        json.dump(
+            {"args": vars(args), "group": GROUP, "num_prompts": NUM_PROMPTS, "results": results}, f, indent=1
+        )
     plot(results, os.path.join(args.out, "partition.png"))
     print(f"\nwall {time.perf_counter() - t0:.1f} s; wrote {args.out}/partition.json and partition.png")
 

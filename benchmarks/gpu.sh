@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The GPU suite: fp32 gradient parity on the device, then the peer benchmark in bf16, tables to an output folder.
+#
+#   bash benchmarks/gpu.sh [OUT_DIR]            # on a CUDA machine (default OUT_DIR: $OUT, else benchmarks/out/gpu)
+#   bash benchmarks/gpu.sh --dry-run [OUT_DIR]  # on any machine: checks the plan, runs the smallest config on CPU
+#
+# Written for the project's CUDA machine: one H200, torch 2.11 + CUDA, transformers 5.17, no TRL, no datasets,
+# no internet. It installs what it needs, offline, from the wheels in $WHEELS (default .whl/ at the repository
+# root: prefix_grouper-*.whl, and a flash_attn-*.whl if one built for that torch is there; keep .whl/ out of
+# git with .git/info/exclude and name it in the device tool's `carry`); trl_dta is used from this checkout
+# (PYTHONPATH), not installed. Budget: ~8 minutes in all (parity <= 2 min, benchmark
+# stops starting new configurations after $BENCH_BUDGET s and is killed at $BENCH_TIMEOUT s).
+#
+# Steps:
+#   1. install prefix-grouper (and flash-attn) from $WHEELS with --no-index --no-deps, if not importable yet;
+#   2. environment: versions, the GPU, `import trl_dta` stays cheap and needs no TRL for the executor path;
+#   3. parity: `peers.py --parity` (fp32, TF32 off): every method's gradients against dense on tiny random
+#      tries, plus the executor's chunked-backward and unpacked-leaves paths; fails the script on a mismatch;
+#   4. benchmark: `peers.py --profile gpu` (Qwen3-0.6B then 1.7B shapes, random weights, bf16, sdpa and
+#      flash-attn if installed, 4k-16k contexts, torch.cuda.max_memory_allocated), tables in OUT_DIR.
+# Outputs (OUT_DIR): env.txt, parity.json, parity.log, peers_gpu.json, peers_gpu.md, peers_gpu.log and
+# the plots peers_gpu_speedup.png, peers_gpu_memory.png.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then
+    DRY=1
+    shift
+fi
+OUT_DIR="${1:-${OUT:-benchmarks/out/gpu}}"
+WHEELS="${WHEELS:-.whl}"
+PY="${PYTHON:-python3}"
+PARITY_TIMEOUT="${PARITY_TIMEOUT:-120}"
+BENCH_BUDGET="${BENCH_BUDGET:-240}"
+BENCH_TIMEOUT="${BENCH_TIMEOUT:-330}"
+mkdir -p "$OUT_DIR"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PEERS=benchmarks/peers.py
+
+echo "== gpu.sh $([ $DRY = 1 ] && echo '--dry-run ')-> $OUT_DIR ($(date -u +%FT%TZ))"
+
+# ---- 1. offline installs (only what is missing)
+install_wheel() {  # module, wheel glob
+    if "$PY" -c "import $1" 2>/dev/null; then
+        echo "$1: already importable"
+    elif compgen -G "$WHEELS/$2" >/dev/null; then
+        "$PY" -m pip install --no-index --no-deps --find-links "$WHEELS" "$WHEELS"/$2
+    else
+        echo "$1: not importable and no $WHEELS/$2 wheel"
+        return 1
+    fi
+}
+install_wheel prefix_grouper 'prefix_grouper-*.whl' || { echo "prefix-grouper is required (pip download prefix-grouper==0.0.1.post1 -d .whl)"; exit 1; }
+install_wheel flash_attn 'flash_attn-*.whl' || echo "flash-attn: not installed, sdpa only"
+
+# ---- 2. environment and the plan
+for f in "$PEERS" benchmarks/common.py; do
+    test -f "$f" || { echo "missing $f"; exit 1; }
+done
+"$PY" -m py_compile "$PEERS" benchmarks/common.py
+bash -n "${BASH_SOURCE[0]}"
+"$PY" - <<'PY' | tee "$OUT_DIR/env.txt"
+import sys, time
+t = time.perf_counter()
+import trl_dta
+from trl_dta import PrefixTrie, TreeExecutor  # the executor path: torch + transformers, never TRL
+from trl_dta.memory import SavedTensorMeter  # noqa: F401
+assert "trl" not in sys.modules, "the executor path imported TRL"
+print(f"import trl_dta + executor: {time.perf_counter() - t:.2f} s, TRL not imported")
+import torch, transformers, prefix_grouper
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (cuda {torch.version.cuda}), "
+      f"transformers {transformers.__version__}, prefix_grouper {prefix_grouper.__version__}")
+try:
+    import flash_attn
+    print(f"flash_attn {flash_attn.__version__}")
+except ImportError:
+    print("flash_attn: not installed")
+print("gpu:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+PY
+
+if [ $DRY = 1 ]; then
+    # The GPU profile's plan (configurations, shapes, sizes, position range), then the smallest configuration
+    # end to end on this CPU: the tiny model on the GPU shapes scaled down, in bf16 (the GPU dtype) and fp32
+    # parity; every method, gradients checked, tables and plots written.
+    echo "== plan (profile gpu)"
+    "$PY" "$PEERS" --profile gpu --device cpu --plan
+    echo "== parity, fp32, on CPU"
+    "$PY" "$PEERS" --parity --device cpu --attn sdpa --threads 1 --out "$OUT_DIR" 2>&1 \
+        | tee "$OUT_DIR/parity.log" | grep -v -i warn | tail -n 28
+    echo "== smallest configuration on CPU (tiny model, the GPU profile's first shape x 1/32, bf16, 1 repeat)"
+    "$PY" "$PEERS" --profile gpu --device cpu --models tiny --attn sdpa --dtype bfloat16 --scale 0.03125 \
+        --shapes grpo-4k-g16 --no_sweep --repeats 1 --threads 1 --out "$OUT_DIR" 2>&1 \
+        | tee "$OUT_DIR/peers_gpu.log" | grep -v -i warn | tail -n 12
+    echo "== dry run passed; outputs in $OUT_DIR"
+    exit 0
+fi
+
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device (use --dry-run on CPU)')"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT_DIR/env.txt" || true
+ATTN=sdpa
+"$PY" -c "import flash_attn" 2>/dev/null && ATTN=sdpa,flash_attention_2
+
+# ---- 3. parity (fp32)
+echo "== parity, fp32, cuda ($ATTN)"
+parity_rc=0  # a parity failure fails the script, after the benchmark has run (its own checks then say more)
+timeout "$PARITY_TIMEOUT" "$PY" "$PEERS" --parity --device cuda --attn "$ATTN" --out "$OUT_DIR" \
+    2>&1 | tee "$OUT_DIR/parity.log" | grep -v -i warn | tail -n 40 || parity_rc=$?
+
+# ---- 4. the peer benchmark (bf16)
+echo "== peer benchmark, bf16, cuda ($ATTN), budget ${BENCH_BUDGET}s"
+rc=0
+timeout "$BENCH_TIMEOUT" "$PY" "$PEERS" --profile gpu --attn "$ATTN" --time_budget "$BENCH_BUDGET" \
+    --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/peers_gpu.log" | grep -v -i warn | tail -n 80 || rc=$?
+ls -la "$OUT_DIR"
+echo "== parity exit $parity_rc, benchmark exit $rc ($(date -u +%FT%TZ))"
+[ "$parity_rc" = 0 ] || exit "$parity_rc"
+exit "$rc"
