@@ -259,7 +259,7 @@ def rel_err(got: list | dict, ref: list | dict) -> float:
         got, ref = list(got.values()), [ref[k] for k in got]
     overall = max(r.abs().max().item() for r in ref)
     errs = []
-    for g, r in zip(got, ref):
+    for g, r in zip(got, ref, strict=True):
         scale = r.abs().max().item()
         errs.append((g - r).abs().max().item() / (scale if scale > 1e-6 * overall else overall))
     return max(errs)
@@ -489,8 +489,8 @@ def readme_table(rows: dict[str, tuple[str, str]]) -> str:
         + ", ".join(f"{n} {v}" for v, n in sorted(counts.items(), key=lambda x: order.get(x[0], 9)))
         + "), each in float64 and float32 with eager and sdpa attention, and with LoRA (r=4, all linear "
         + f"layers) on {', '.join(f'`{t}`' for t in sorted(LORA))}. Errors: the largest relative log-prob / "
-        "gradient error in float64 over the group; 'padded' means sibling leaves are forwarded as a padded batch "
-        "because packing them into one row would not be exact for the model.",
+        "gradient error in float64 over the group; 'padded' means sibling leaves are forwarded as a padded "
+        "batch because packing them into one row would not be exact for the model.",
         "",
         "| verdict | notes | model types |",
         "|---|---|---|",

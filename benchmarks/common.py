@@ -92,7 +92,9 @@ def format_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     lines = []
     for i, row in enumerate(cells):
         lines.append(
-            "  ".join(c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths)))
+            "  ".join(
+                c.ljust(w) if j == 0 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
         )
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))

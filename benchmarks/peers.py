@@ -69,10 +69,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's trl_dta
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
-import common
+import common  # noqa: E402
 
-from trl_dta import PrefixTrie, TreeExecutor
-from trl_dta.memory import SavedTensorMeter
+from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
+from trl_dta.memory import SavedTensorMeter  # noqa: E402
 
 METHODS = ["dense", "dense_ckpt", "pg", "pg_lmhead", "tree_mask", "tree"]
 LABELS = {
@@ -434,7 +434,7 @@ def packed_tree(seqs: list[list[int]]):
     for i in order:
         s = seqs[i]
         lcp = 0
-        for a, b in zip(prev_seq, s):
+        for a, b in zip(prev_seq, s, strict=False):
             if a != b:
                 break
             lcp += 1
@@ -457,9 +457,9 @@ def run_tree_mask(ctx: Context, wl: Workload, head_on_all: bool = False) -> None
     # token i sees j iff j is an ancestor-or-self of i: j <= i <= subtree end of j
     visible = (ids[None, :] <= ids[:, None]) & (ids[:, None] <= end_t[None, :])
     # scoring: sequence k's completion token t (t >= prompt length) is scored at the id of its token t - 1
-    score_ids = torch.cat([torch.as_tensor(p[plen - 1 : -1]) for p, (_, plen) in zip(paths, rows)]).to(
-        ctx.device
-    )
+    score_ids = torch.cat(
+        [torch.as_tensor(p[plen - 1 : -1]) for p, (_, plen) in zip(paths, rows, strict=True)]
+    ).to(ctx.device)
     targets = torch.cat([torch.as_tensor(s[plen:]) for s, plen in rows]).to(ctx.device)
     counts = torch.tensor([len(s) - plen for s, plen in rows], device=ctx.device)
     needed, inverse = torch.unique(score_ids, return_inverse=True)

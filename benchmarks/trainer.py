@@ -54,8 +54,8 @@ import json
 import logging
 import os
 import platform
-import statistics
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -215,7 +215,11 @@ def print_table(summary, dedup, padded):
     cells = [cols] + rows
     widths = [max(len(r[i]) for r in cells) for i in range(len(cols))]
     for i, r in enumerate(cells):
-        print("  ".join(x.ljust(w) if j == 0 else x.rjust(w) for j, (x, w) in enumerate(zip(r, widths))))
+        print(
+            "  ".join(
+                x.ljust(w) if j == 0 else x.rjust(w) for j, (x, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
         if i == 0:
             print("  ".join("-" * w for w in widths))
     print(f"\n'c x' = that trainer's time / TreePPO's (speedup of c over it). dedup ratio of the optimizer "

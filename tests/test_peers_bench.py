@@ -56,7 +56,7 @@ def test_packed_tree_layout():
     seqs = [[1, 2, 3, 4], [1, 2, 5], [1, 2, 3], [7, 8], [1, 2, 5, 6, 9]]
     tokens, depth, end, paths = packed_tree(seqs)
     assert len(tokens) == PrefixTrie.from_sequences(seqs).num_unique_tokens
-    for s, path in zip(seqs, paths):
+    for s, path in zip(seqs, paths, strict=True):
         assert [tokens[i] for i in path] == s and [depth[i] for i in path] == list(range(len(s)))
     for i in range(len(tokens)):  # token i sees j iff j is on a path through i, at or before i
         path = next(p.tolist() for p in paths if i in p.tolist())
