@@ -181,8 +181,6 @@ def peak_rss_mib(name, case, steps, prompt_words):
 
 
 def memory_of(name, case, steps, prompt_words):
-    import resource
-
     trainer_cls, config_cls, ckpt = TRAINERS[name]
     batch, accumulation, prompts, tools = CASES[case]
     config = make_config(tempfile.mkdtemp(prefix="bench_mem_"), config_cls=config_cls,
@@ -194,11 +192,15 @@ def memory_of(name, case, steps, prompt_words):
                            tools=tools, dataset=dataset)  # fmt: skip
     trainer.remove_callback(PrinterCallback)
     trainer.bench = {"fwd_bwd": [], "logp": [], "padded": []}
-    with open("/proc/self/statm") as f:
-        before = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    def status_mib(key):  # VmRSS (now) or VmHWM (peak since the last reset), Linux
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current RSS: earlier peaks (imports, setup) drop out
+    before = status_mib("VmRSS:")
     trainer.train()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    print(f"{peak - before:.1f}")
+    print(f"{status_mib('VmHWM:') - before:.1f}")
 
 
 def print_table(summary, dedup, padded):
