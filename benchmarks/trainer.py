@@ -37,12 +37,13 @@ times after one untimed warm-up step of each; medians are reported. Measured per
   the process's resident memory once the trainer is built (so the model, TRL and torch themselves are not
   counted): what training adds on top of them.
 
-How to read ``speedup / dedup``: ``dedup`` = tokens / unique tokens of a micro-batch's rollouts is the speedup
-one would expect if cost were linear in tokens forwarded. ``fwd+bwd`` speedup / dedup is the walk's efficiency
-against that ideal: it can exceed 1 (dense also pays for padding - ``padded`` = B x (prompt width + completion
-width) / real tokens - and attends over the shared prefix once per row), and below 1 it measures the walk's
-overheads (small forwards instead of one big one, padding of the batched sibling leaves, each leaf row
-attending the shared prefix's K/V copied to its rows, per-segment backward calls, Python). For ``train s`` the
+How to read ``speedup / dedup``: ``dedup`` = tokens / unique tokens of an optimizer step's rollouts is the
+speedup one would expect if cost were linear in tokens forwarded. ``fwd+bwd`` speedup / dedup is the walk's
+efficiency against that ideal: it can exceed 1 (dense also pays for padding - ``padded`` = B x (prompt width
++ completion width) / real tokens - and attends over the shared prefix once per row), and below 1 it
+measures the walk's overheads (many small forwards instead of one big one, the block-diagonal mask of packed
+sibling leaves and their attention over the shared prefix, one concatenation of the path's K/V per forward,
+per-segment backward calls, Python). For ``train s`` the
 ratio is diluted by everything the trie does not touch (generation, tool calls, optimizer, logging).
 """
 

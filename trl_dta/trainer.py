@@ -133,6 +133,7 @@ class TreePPOTrainer(GRPOTrainer):
         if self._repartition and self.model.training:
             output, info = distributed.repartition(output, multiple=self.args.steps_per_generation)
             self._metrics["train"]["tree/rank_rows"].append(info["rows"])
+            self._metrics["train"]["tree/rank_padding_rows"].append(info["padded_rows"])
         return output
 
     # ------------------------------------------------------------------ opt-in: lexicographic steps
