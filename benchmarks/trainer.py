@@ -193,6 +193,7 @@ def memory_of(name, case, steps, prompt_words):
                            tools=tools, dataset=dataset)  # fmt: skip
     trainer.remove_callback(PrinterCallback)
     trainer.bench = {"fwd_bwd": [], "logp": [], "padded": []}
+
     def status_mib(key):  # VmRSS (now) or VmHWM (peak since the last reset), Linux
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith(key)) / 1024
