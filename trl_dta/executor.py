@@ -34,6 +34,7 @@ from .causal_lm import CausalLM
 from .model_checks import packed_inputs
 from .plan import Leaves, Pop, Push, Segment, build_plan
 from .router_loss import RouterGrad, RouterStats, router_term
+from .scoring import first_scored, path_scores, score_rows
 from .trie import PrefixTrie, TrieNode
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -203,7 +204,7 @@ class TreeExecutor:
         self.lm.check_call(trie.max_depth)
         stack: list[_Frame] = []
         self._router, self._scoring = router, score
-        self._seq_from, self._node_from = self._first_scored(trie, score_from)
+        self._seq_from, self._node_from = first_scored(trie, score_from)
         try:
             with self.lm.no_gradient_checkpointing():
                 for step in build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves):
@@ -213,7 +214,7 @@ class TreeExecutor:
                         stack.append(frame)
                         if score:
                             losses = [
-                                on_sequence(i, *self._path_scores(stack, None, None, 0, self._seq_from[i]))
+                                on_sequence(i, *path_scores(stack, None, None, 0, self._seq_from[i]))
                                 for i in step.segment.terminals
                             ]
                             if grad:
@@ -227,38 +228,8 @@ class TreeExecutor:
         finally:
             self._router, self._scoring = None, True
 
-    @staticmethod
-    def _first_scored(trie: PrefixTrie, score_from: Sequence[int] | None):
-        """Per sequence, and per node the smallest over the sequences through it: the first log-prob index to
-        score. A node scores from there (or from its own first index), so each sequence's scored indices
-        are contiguous along its path."""
-        if score_from is None:
-            return [0] * len(trie), None
-        if len(score_from) != len(trie):
-            raise ValueError(f"score_from has {len(score_from)} entries for {len(trie)} sequences")
-        node_from: dict[TrieNode, int] = {}
-        for i, first in enumerate(score_from):
-            if not 0 <= first <= trie.sequence_length(i) - 1:
-                raise ValueError(f"score_from[{i}] = {first} is outside [0, {trie.sequence_length(i) - 1}]")
-            for node in trie.path(i):
-                node_from[node] = min(node_from.get(node, first), first)
-        return list(score_from), node_from
-
     def _from(self, node: TrieNode) -> int:
         return 0 if self._node_from is None else self._node_from[node]
-
-    @staticmethod
-    def _path_scores(stack, logps, ents, leaf_from, seq_from):
-        """A sequence's log-probs (and entropies) from its index ``seq_from`` on: the scored part of each
-        segment on the stack, then ``logps``/``ents`` of a leaf row (which start at index ``leaf_from``)."""
-        pieces = [(f.logps_in, f.entropies_in, f.lp_from) for f in stack]
-        if logps is not None:
-            pieces.append((logps, ents, leaf_from))
-        cut = [max(0, seq_from - first) for _, _, first in pieces]
-        cat_lp = torch.cat([lp[c:] for (lp, _, _), c in zip(pieces, cut, strict=True)])
-        if pieces[0][1] is None:
-            return cat_lp, None
-        return cat_lp, torch.cat([e[c:] for (_, e, _), c in zip(pieces, cut, strict=True)])
 
     @staticmethod
     def _backprop_losses(losses: list[torch.Tensor]) -> None:
@@ -302,34 +273,6 @@ class TreeExecutor:
             return None
         return router_term(v, routers)
 
-    def _score(self, hiddens, ids, start, parent_hidden, temperature, entropies, froms):
-        """Log-probs (and entropies) of each row's tokens (``hiddens[r]``: [L_r, D], ``ids[r]``: [L_r], at
-        positions ``start..``): the logits of position ``t`` score token ``t + 1`` (log-prob index ``t``),
-        and the parent's last hidden state scores the segment's first token (none at the root). Row ``r``
-        is scored from index ``max(froms[r], start - 1)`` on; returns, per row, the log-probs, entropies and
-        that first index. One LM-head call for all rows."""
-        inputs, targets, firsts = [], [], []
-        lowest = max(start - 1, 0)
-        for h, t, first in zip(hiddens, ids, froms, strict=True):
-            end = start + t.numel() - 1  # one past the segment's last log-prob index
-            first = min(max(first, lowest), end)
-            if first < start:  # the parent's last hidden state scores the first token
-                inputs.append(torch.cat([parent_hidden.reshape(1, -1).to(h.dtype), h[: end - start]]))
-            else:
-                inputs.append(h[first - start : end - start])
-            targets.append(t[first + 1 - start : end + 1 - start])
-            firsts.append(first)
-        counts = [t.numel() for t in targets]
-        if sum(counts) == 0:
-            empty = hiddens[0].new_zeros(
-                0, dtype=torch.float64 if hiddens[0].dtype == torch.float64 else torch.float32
-            )
-            return [empty] * len(ids), ([empty] * len(ids) if entropies else None), firsts
-        logp_all = torch.log_softmax(self.lm.logits(torch.cat(inputs), temperature), dim=-1)
-        lp = logp_all.gather(-1, torch.cat(targets)[:, None]).squeeze(-1)
-        ent = -(logp_all.exp() * logp_all).sum(-1) if entropies else None
-        return list(lp.split(counts)), (list(ent.split(counts)) if entropies else None), firsts
-
     def _segment_ids(self, trie: PrefixTrie, segment: Segment) -> torch.Tensor:
         tokens = trie.sequences[segment.node.seq][segment.start : segment.end]
         return torch.as_tensor(tokens, dtype=torch.long, device=self.device)
@@ -342,8 +285,8 @@ class TreeExecutor:
             return kv, hidden[:, -1:], hidden.new_zeros(0), None, router_term, segment.end - 1
         parent_hidden = stack[-1].last_hidden_in if stack else None
         froms = [self._from(segment.node)]
-        lps, ents, firsts = self._score(
-            [hidden[0]], [ids[0]], segment.start, parent_hidden, temperature, entropies, froms
+        lps, ents, firsts = score_rows(
+            self.lm, [hidden[0]], [ids[0]], segment.start, parent_hidden, temperature, entropies, froms
         )
         return kv, hidden[:, -1:], lps[0], (ents[0] if entropies else None), router_term, firsts[0]
 
@@ -376,13 +319,13 @@ class TreeExecutor:
             losses = [t for t in losses if t is not None]
             if self._scoring:
                 froms = [self._from(s.node) for s in segments]
-                lps, ents, firsts = self._score(
-                    hiddens, ids, start, parent_hidden, temperature, entropies, froms
+                lps, ents, firsts = score_rows(
+                    self.lm, hiddens, ids, start, parent_hidden, temperature, entropies, froms
                 )
                 for row, segment in enumerate(segments):
                     ent = ents[row] if entropies else None
                     for i in segment.terminals:
-                        path = self._path_scores(stack, lps[row], ent, firsts[row], self._seq_from[i])
+                        path = path_scores(stack, lps[row], ent, firsts[row], self._seq_from[i])
                         losses.append(on_sequence(i, *path))
         if grad:
             self._backprop_losses(losses)

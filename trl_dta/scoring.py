@@ -1,0 +1,75 @@
+"""Which positions the walk scores, and each sequence's log-probs along the walk's stack.
+
+A sequence needs its log-probs from some index on (``score_from``: for a training row, its prompt length - 1;
+``lp[t] = log p(seq[t+1] | seq[:t+1])``). A trie node scores from the smallest index any sequence through
+it needs, or from its own first index, so the LM head runs only where some loss reads and every sequence's
+scored indices are contiguous along its path. The executor holds the stack; these functions do the
+bookkeeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .trie import PrefixTrie, TrieNode
+
+
+def first_scored(trie: PrefixTrie, score_from: Sequence[int] | None):
+    """Per sequence, and per node the smallest over the sequences through it: the first log-prob index to
+    score. A node scores from there (or from its own first index), so each sequence's scored indices
+    are contiguous along its path."""
+    if score_from is None:
+        return [0] * len(trie), None
+    if len(score_from) != len(trie):
+        raise ValueError(f"score_from has {len(score_from)} entries for {len(trie)} sequences")
+    node_from: dict[TrieNode, int] = {}
+    for i, first in enumerate(score_from):
+        if not 0 <= first <= trie.sequence_length(i) - 1:
+            raise ValueError(f"score_from[{i}] = {first} is outside [0, {trie.sequence_length(i) - 1}]")
+        for node in trie.path(i):
+            node_from[node] = min(node_from.get(node, first), first)
+    return list(score_from), node_from
+
+
+def path_scores(stack, logps, ents, leaf_from: int, seq_from: int):
+    """A sequence's log-probs (and entropies) from its index ``seq_from`` on: the scored part of each
+    segment on the stack, then ``logps``/``ents`` of a leaf row (which start at index ``leaf_from``)."""
+    pieces = [(f.logps_in, f.entropies_in, f.lp_from) for f in stack]
+    if logps is not None:
+        pieces.append((logps, ents, leaf_from))
+    cut = [max(0, seq_from - first) for _, _, first in pieces]
+    cat_lp = torch.cat([lp[c:] for (lp, _, _), c in zip(pieces, cut, strict=True)])
+    if pieces[0][1] is None:
+        return cat_lp, None
+    return cat_lp, torch.cat([e[c:] for (_, e, _), c in zip(pieces, cut, strict=True)])
+
+
+def score_rows(lm, hiddens, ids, start: int, parent_hidden, temperature: float, entropies: bool, froms):
+    """Log-probs (and entropies) of each row's tokens (``hiddens[r]``: [L_r, D], ``ids[r]``: [L_r], at
+    positions ``start..``): the logits of position ``t`` score token ``t + 1`` (log-prob index ``t``),
+    and the parent's last hidden state scores the segment's first token (none at the root). Row ``r``
+    is scored from index ``max(froms[r], start - 1)`` on; returns, per row, the log-probs, entropies and
+    that first index. One LM-head call for all rows."""
+    inputs, targets, firsts = [], [], []
+    lowest = max(start - 1, 0)
+    for h, t, first in zip(hiddens, ids, froms, strict=True):
+        end = start + t.numel() - 1  # one past the segment's last log-prob index
+        first = min(max(first, lowest), end)
+        if first < start:  # the parent's last hidden state scores the first token
+            inputs.append(torch.cat([parent_hidden.reshape(1, -1).to(h.dtype), h[: end - start]]))
+        else:
+            inputs.append(h[first - start : end - start])
+        targets.append(t[first + 1 - start : end + 1 - start])
+        firsts.append(first)
+    counts = [t.numel() for t in targets]
+    if sum(counts) == 0:
+        empty = hiddens[0].new_zeros(
+            0, dtype=torch.float64 if hiddens[0].dtype == torch.float64 else torch.float32
+        )
+        return [empty] * len(ids), ([empty] * len(ids) if entropies else None), firsts
+    logp_all = torch.log_softmax(lm.logits(torch.cat(inputs), temperature), dim=-1)
+    lp = logp_all.gather(-1, torch.cat(targets)[:, None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1) if entropies else None
+    return list(lp.split(counts)), (list(ent.split(counts)) if entropies else None), firsts
