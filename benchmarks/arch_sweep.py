@@ -374,8 +374,8 @@ def variants(model_type: str, quick: bool = False) -> list[dict]:
     return out
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):  # not an Exception: a check's own `except Exception` must not call it a crash
+    """A check that ran past SECONDS_PER_CHECK: a slow (or loaded) machine, reported as too slow."""
 
 
 @contextlib.contextmanager
