@@ -54,6 +54,13 @@ VOCAB = 96
 WINDOW = 16  # attention window / chunk given to models that have one: the trie's packed rows exceed it
 TOLERANCE = {torch.float64: (1e-6, 1e-5), torch.float32: (1e-4, 1e-3)}  # (log-probs, gradients)
 
+
+def tolerance(dtype, has_states: bool) -> tuple[float, float]:
+    """(log-probs, gradients) tolerance; transformers' state-layer kernels compute in float32 even in a
+    float64 model, so hybrid and state-space models get float32's."""
+    return TOLERANCE[torch.float32 if has_states else dtype]
+
+
 # Shrunk sizes; a key is set only if the config class knows it (``attribute_map`` aliases included).
 TINY = dict(  # noqa: C408 - keyword style keeps the long list readable
     vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -76,6 +83,9 @@ TINY = dict(  # noqa: C408 - keyword style keeps the long list readable
     vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=0,
     activation_sparsity_pattern=None, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
     linear_num_value_heads=4, ffn_dim=48, attention_heads=4,
+    # state-space layers: small states and scan chunks (a 256-token chunk pads every tiny call to 256)
+    state_size=16, ssm_state_size=16, mamba_d_state=16, chunk_size=8, mamba_chunk_size=8, n_groups=1,
+    mamba_n_groups=1, mamba_n_heads=4, mamba_num_heads=4, mamba_d_head=8, mamba_head_dim=8,
 )  # fmt: skip
 
 # Cases beyond each model type's defaults: the settings that change what the walk must do.
@@ -312,6 +322,7 @@ def check(
     if result.verdict == "CRASH":
         return result
     result.extra["packed"] = executors[1].pack_leaves
+    result.extra["states"] = executors[1].lm.has_states
     trie = PrefixTrie.from_sequences(seqs)
     result.logp_err = result.grad_err = 0.0
     try:
@@ -325,7 +336,7 @@ def check(
     except Exception as e:  # noqa: BLE001
         result.verdict, result.detail = "CRASH", f"{type(e).__name__}: {_short(e)}"
         return result
-    lp_tol, grad_tol = TOLERANCE[dtype]
+    lp_tol, grad_tol = tolerance(dtype, executors[1].lm.has_states)
     ok = result.logp_err <= lp_tol and result.grad_err <= grad_tol
     result.verdict = "exact" if ok else "WRONG"
     result.long = _check_long(model, executors[1], dtype)
@@ -350,7 +361,7 @@ def _check_long(model, executor, dtype) -> str:
             logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
             ref.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1))
     err = rel_err(got, ref)
-    return "exact" if err <= TOLERANCE[dtype][0] else f"WRONG ({err:.1e})"
+    return "exact" if err <= tolerance(dtype, executor.lm.has_states)[0] else f"WRONG ({err:.1e})"
 
 
 def _short(e: Exception, n: int = 300) -> str:

@@ -127,7 +127,7 @@ def test_cached_forward_equals_dense_forward():
     with torch.no_grad():
         full = model.model(input_ids=ids).last_hidden_state
         h1, kv = executor.lm.forward(ids[:, :4], 0, None)
-        h2, _ = executor.lm.forward(ids[:, 4:], 4, kv)
+        h2, _ = executor.lm.forward(ids[:, 4:], 4, [kv])
     torch.testing.assert_close(torch.cat([h1, h2], dim=1), full, rtol=0, atol=1e-12)
 
 

@@ -1,19 +1,23 @@
 """The tree executor: forward and backward of every sequence of a prefix trie, each shared prefix once.
 
 The walk follows the plan of :mod:`trl_dta.plan`. A stack holds the segments of the current root-to-node
-path; for each one it keeps the K/V the segment produced in every layer, its last hidden state (to score
-its children's first tokens) and its tokens' log-probs. Descendants read these through *handles*: detached
+path; for each one it keeps what the segment left in every layer's cache (its K/V; for the state layers of
+hybrid and state-space models, its final conv / recurrent states), its last hidden state (to score its
+children's first tokens) and its tokens' log-probs. Descendants read these through *handles*: detached
 copies with ``requires_grad=True`` (autograd leaves; "leaf" alone always means a trie leaf here), so
 whatever gradient a descendant sends into them accumulates in their ``.grad``:
 
-* ``Push``: forward the segment on the stack's K/V; keep the autograd graph, or (chunked backward) forward
-  without one and recompute it at pop.
+* ``Push``: forward the segment on the stack's caches (every segment's K/V, the top segment's states); keep
+  the autograd graph, or (chunked backward) forward without one and recompute it at pop.
 * ``Leaves``: forward a batch of sibling leaves (packed into one row with a block-diagonal causal mask, or
   right-padded where the attention backend takes no custom mask), compute each finished sequence's loss
   from the log-probs along its path and backpropagate at once: into the parameters, and into the handles of
   every segment on the stack.
 * ``Pop``: backpropagate the segment's outputs with the gradients collected in their handles, which
   continues into the parameters and into the handles of the segments below it; then free it.
+
+State models never forward a single token on a carried state (decode kernels may compute something else,
+or have no backward): such a one-token segment is *pending*, and its children forward its token again.
 
 MoE models: the walk can also backpropagate a linear term in each segment's router probabilities (the
 load-balancing loss, :mod:`trl_dta.router_loss`), and count router choices in a no-grad pass.
@@ -30,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .causal_lm import CausalLM
+from .causal_lm import CausalLM, LayerCache
 from .model_checks import packed_inputs
 from .plan import Leaves, Pop, Push, Segment, build_plan
 from .router_loss import RouterGrad, RouterStats, router_term
@@ -52,11 +56,11 @@ def _handle(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.requires_grad_(True)
 
 
-def _outputs(kv, last_hidden, logps, entropies) -> list[torch.Tensor | None]:
-    """A segment's outputs that descendants read, flattened in one fixed order (K, V of each layer, last
-    hidden state, log-probs, entropies): the order :meth:`_Frame.outputs` and :meth:`_Frame.handles`
-    share."""
-    return [t for pair in kv for t in pair] + [last_hidden, logps, entropies]
+def _outputs(caches, last_hidden, logps, entropies) -> list[torch.Tensor | None]:
+    """A segment's outputs that descendants read, flattened in one fixed order (each layer's cache tensors by
+    name, last hidden state, log-probs, entropies): the order :meth:`_Frame.outputs` and
+    :meth:`_Frame.handles` share."""
+    return [layer[k] for layer in caches for k in sorted(layer)] + [last_hidden, logps, entropies]
 
 
 @dataclass
@@ -65,22 +69,26 @@ class _Frame:
     handles, which its descendants and its sequences' losses read."""
 
     segment: Segment
-    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [1, kv_heads, L, head_dim]
+    caches: list[LayerCache]  # per layer: its K/V [1, kv_heads, L, head_dim] and/or its final states
     last_hidden: torch.Tensor  # [1, 1, D]
     logps: torch.Tensor  # [n scored tokens]
     entropies: torch.Tensor | None
-    kv_in: list[tuple[torch.Tensor, torch.Tensor]]  # handles of the above
+    caches_in: list[LayerCache]  # handles of the above
     last_hidden_in: torch.Tensor
     logps_in: torch.Tensor
     entropies_in: torch.Tensor | None
     lp_from: int  # log-prob index of logps[0]: the segment scores lp indices [lp_from, segment.end - 1)
     router_term: torch.Tensor | None = None  # MoE: the segment's <v, softmax(router logits)> sum, with graph
+    # state models: a one-token segment is not forwarded on its own (see TreeExecutor._compute_segment); its
+    # token ids, forwarded at the head of each child's forward instead. No caches, no last hidden state.
+    pending: torch.Tensor | None = None
+    routed: bool = False  # MoE: a child's forward has already routed the pending token
 
     def outputs(self) -> list[torch.Tensor | None]:
-        return _outputs(self.kv, self.last_hidden, self.logps, self.entropies)
+        return _outputs(self.caches, self.last_hidden, self.logps, self.entropies)
 
     def handles(self) -> list[torch.Tensor | None]:
-        return _outputs(self.kv_in, self.last_hidden_in, self.logps_in, self.entropies_in)
+        return _outputs(self.caches_in, self.last_hidden_in, self.logps_in, self.entropies_in)
 
 
 class TreeExecutor:
@@ -238,23 +246,33 @@ class TreeExecutor:
             torch.stack(losses).sum().backward()
 
     def _past(self, stack: list[_Frame], rows: int):
-        """Per layer, the stack's K/V pieces (expanded to ``rows`` rows, no copy): the cache joins them with
-        the new tokens' K/V in one concatenation."""
-        if not stack:
-            return None
-        return [
-            [
-                (f.kv_in[layer][0].expand(rows, -1, -1, -1), f.kv_in[layer][1].expand(rows, -1, -1, -1))
-                for f in stack
-            ]
-            for layer in range(self.lm.num_layers)
-        ]
+        """The stack's caches, expanded to ``rows`` rows (no copy): the model attends to every segment's K/V
+        (joined with the new tokens' K/V in one concatenation) and starts from the top segment's states."""
+        path = [f.caches_in for f in stack if f.pending is None]
+        return self.lm.expand(path, rows) if path else None
+
+    @staticmethod
+    def _pending(stack: list[_Frame]) -> _Frame | None:
+        return stack[-1] if stack and stack[-1].pending is not None else None
+
+    def _route_rows(self, node: TrieNode, routers, top: _Frame | None, lead: int) -> list[torch.Tensor]:
+        """MoE: :meth:`_route` one row's router logits, whose first ``lead`` tokens are the pending segment
+        ``top``'s: those are routed by the first forward that carries them (in exact arithmetic every child's
+        forward computes the same router logits for them, so the term or count is taken once)."""
+        if routers is None:
+            return []
+        terms = []
+        if lead and not top.routed and (isinstance(self._router, RouterStats) or torch.is_grad_enabled()):
+            terms.append(self._route(top.segment.node, [r[:lead] for r in routers]))
+            top.routed = True
+        terms.append(self._route(node, [r[lead:] for r in routers]))
+        return [t for t in terms if t is not None]
 
     def _forward(
         self, ids: torch.Tensor, start: int, stack: list[_Frame], positions=None, attention_mask=None
     ):
-        """Decode ``ids`` [B, L] on the stack's K/V: hidden [B, L, D], new K/V, and (when the walk reads
-        router logits) each router layer's logits [B * L, E]."""
+        """Decode ``ids`` [B, L] on the stack's caches: hidden [B, L, D], the new per-layer caches, and (when
+        the walk reads router logits) each router layer's logits [B * L, E]."""
         past = self._past(stack, ids.shape[0])
         if self._router is None:
             return (*self.lm.forward(ids, start, past, positions, attention_mask), None)
@@ -278,47 +296,85 @@ class TreeExecutor:
         return torch.as_tensor(tokens, dtype=torch.long, device=self.device)
 
     def _compute_segment(self, trie, segment, stack, temperature, entropies):
-        ids = self._segment_ids(trie, segment)[None]
-        hidden, kv, routers = self._forward(ids, segment.start, stack)
-        router_term = self._route(segment.node, routers)
+        """Forward ``segment`` on the stack: its caches, last hidden state, log-probs, entropies, MoE router
+        term, first scored index, and whether it is pending.
+
+        State models (:attr:`CausalLM.has_states`) never forward a single token on a carried state: models'
+        one-token (decode) kernels may compute something else than their multi-token kernels (a clamp only one
+        applies) or have no backward. Such a segment is *pending*: only its token's log-prob is computed (from
+        the parent's last hidden state), and each child forwards the token again at the head of its own
+        forward (one token more per child, exact)."""
+        ids = self._segment_ids(trie, segment)
+        top = self._pending(stack)
+        lead = 0 if top is None else top.pending.numel()
+        if top is None and stack and self.lm.has_states and ids.numel() == 1:
+            return self._defer(segment, ids, stack, temperature, entropies)
+        if lead:
+            ids = torch.cat([top.pending, ids])
+        start = segment.start - lead
+        hidden, caches, routers = self._forward(ids[None], start, stack)
+        terms = self._route_rows(segment.node, None if routers is None else [r for r in routers], top, lead)
+        router_term = torch.stack(terms).sum() if terms else None
         if not self._scoring:
-            return kv, hidden[:, -1:], hidden.new_zeros(0), None, router_term, segment.end - 1
+            return caches, hidden[:, -1:], hidden.new_zeros(0), None, router_term, segment.end - 1, None
         parent_hidden = stack[-1].last_hidden_in if stack else None
-        froms = [self._from(segment.node)]
+        # with a pending head, lp[start - 1] is the head's own
+        froms = [max(self._from(segment.node), start) if lead else self._from(segment.node)]
         lps, ents, firsts = score_rows(
-            self.lm, [hidden[0]], [ids[0]], segment.start, parent_hidden, temperature, entropies, froms
+            self.lm, [hidden[0]], [ids], start, parent_hidden, temperature, entropies, froms
         )
-        return kv, hidden[:, -1:], lps[0], (ents[0] if entropies else None), router_term, firsts[0]
+        ent = ents[0] if entropies else None
+        return caches, hidden[:, -1:], lps[0], ent, router_term, firsts[0], None
+
+    def _defer(self, segment, ids, stack, temperature, entropies):
+        """A pending one-token segment (see :meth:`_compute_segment`): its log-prob from the parent's last
+        hidden state, no forward."""
+        parent_hidden = stack[-1].last_hidden_in
+        if not self._scoring:
+            return [], None, parent_hidden.new_zeros(0), None, None, segment.end - 1, ids
+        lps, ents, firsts = score_rows(
+            self.lm, [parent_hidden.reshape(1, -1)[:0]], [ids], segment.start, parent_hidden, temperature,
+            entropies, [self._from(segment.node)],
+        )  # fmt: skip
+        return [], None, lps[0], (ents[0] if entropies else None), None, firsts[0], ids
 
     def _push(self, trie, segment, stack, temperature, entropies, with_graph) -> _Frame:
         with torch.set_grad_enabled(with_graph):
-            kv, last_hidden, lp, ent, router_term, lp_from = self._compute_segment(
+            caches, last_hidden, lp, ent, router_term, lp_from, pending = self._compute_segment(
                 trie, segment, stack, temperature, entropies
             )
         return _Frame(
-            segment, kv, last_hidden, lp, ent,
-            kv_in=[(_handle(k), _handle(v)) for k, v in kv],
+            segment, caches, last_hidden, lp, ent,
+            caches_in=[{k: _handle(t) for k, t in layer.items()} for layer in caches],
             last_hidden_in=_handle(last_hidden),
             logps_in=_handle(lp),
             entropies_in=_handle(ent),
             lp_from=lp_from,
             router_term=router_term if with_graph else None,
+            pending=pending,
         )  # fmt: skip
 
     def _leaves(self, trie, step: Leaves, stack, temperature, entropies, on_sequence, grad) -> None:
         segments = step.segments
+        top = self._pending(stack)  # its token heads every row (state models, see _compute_segment)
+        lead = 0 if top is None else top.pending.numel()
         ids = [self._segment_ids(trie, s) for s in segments]
-        start = segments[0].start
+        if lead:
+            ids = [torch.cat([top.pending, t]) for t in ids]
+        start = segments[0].start - lead
         parent_hidden = stack[-1].last_hidden_in if stack else None
         with torch.set_grad_enabled(grad):
             if len(segments) > 1 and self.pack_leaves:
                 hiddens, routers = self._forward_packed(ids, start, stack)
             else:
                 hiddens, routers = self._forward_padded(ids, start, stack)
-            losses = [self._route(s.node, r) for s, r in zip(segments, routers, strict=True)]
-            losses = [t for t in losses if t is not None]
+            losses = [
+                term
+                for segment, r in zip(segments, routers, strict=True)
+                for term in self._route_rows(segment.node, r, top, lead)
+            ]
             if self._scoring:
-                froms = [self._from(s.node) for s in segments]
+                froms = [max(self._from(s.node), start if lead else 0) for s in segments]
                 lps, ents, firsts = score_rows(
                     self.lm, hiddens, ids, start, parent_hidden, temperature, entropies, froms
                 )
@@ -335,6 +391,8 @@ class TreeExecutor:
         Returns each row's hidden states and (MoE) each row's router logits per layer, padding dropped."""
         lengths = [t.numel() for t in ids]
         width = max(lengths)
+        if self.lm.has_states and stack:  # never a one-token forward on a carried state: pad one more
+            width = max(width, 2)
         batch = torch.zeros(len(ids), width, dtype=torch.long, device=self.device)
         for row, t in enumerate(ids):
             batch[row, : lengths[row]] = t
@@ -369,10 +427,10 @@ class TreeExecutor:
         if kept_graph:
             outputs = frame.outputs()
         else:  # chunked backward: recompute the segment, this time with a graph
-            kv, last_hidden, lp, ent, router_term, _ = self._compute_segment(
+            caches, last_hidden, lp, ent, router_term, _, _ = self._compute_segment(
                 trie, frame.segment, stack, temperature, entropies
             )
-            outputs = _outputs(kv, last_hidden, lp, ent)
+            outputs = _outputs(caches, last_hidden, lp, ent)
         outs, grads = [], []
         for out, handle in zip(outputs, handles, strict=True):
             if handle is not None and handle.grad is not None and out.requires_grad:

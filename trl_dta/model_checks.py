@@ -13,7 +13,9 @@ if nothing in the model depends on how the sequence was cut. What can break it, 
   differ or fail, the executor forwards leaves as a padded batch instead (exact, a little slower);
 * RoPE whose frequencies depend on the call's length (dynamic NTK, longrope): refused for sequences longer
   than the original context, where the frequencies start to move;
-* layers that keep state other than K/V (state-space, linear attention, convolutions): refused;
+* layers that keep state other than K/V (state-space, linear attention, short convolutions): their states are
+  carried through transformers' cache API, which the probe checks on a two-segment path; kinds outside that
+  API are refused, and sibling leaves are never packed (one leaf's state would run into the next);
 * a cache the model ignores, an LM-head transform the walk does not reproduce, a model that is not causal:
   the probe refuses them, naming the cause.
 """
@@ -31,10 +33,15 @@ logger = logging.getLogger(__name__)
 # eager softmax, RMSNorm and some attention variants in float32 even in a float64 model, which leaves ~1e-7
 # between two exact computations; a structural mistake (ignored cache, wrong mask or bias) is >= 1e-3.
 PROBE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+# transformers' state-layer kernels (chunked delta rule, Mamba2 scan) compute in float32 even in a float64
+# model: two exact computations of a float64 hybrid differ like float32 ones (~1e-5 over 13 tokens)
+STATE_DTYPE_FLOOR = torch.float32
 # layer kinds (transformers' cache layer types) whose state is not a plain K/V cache
 _STATEFUL_LAYERS = ("conv", "linear", "mamba", "hybrid", "recurrent", "ssm", "rwkv", "lstm", "deltanet")
 # layer kinds that keep extra per-token caches next to K/V (sparse-attention indexers, compressed attention)
 _INDEXED_LAYERS = ("indexed", "compressed")
+# layer kinds whose conv / recurrent states transformers' cache API exposes and the walk carries
+_CARRIED_STATES = ("conv", "linear_attention", "hybrid", "hybrid_sliding")
 
 
 def layer_types(config) -> list[str]:
@@ -67,7 +74,9 @@ def attention_window(config) -> tuple[int | None, str]:
 
 
 def check_stateful_layers(config, name: str) -> None:
-    """Refuse layers whose cache is not K/V (state-space, linear attention, short convolutions)."""
+    """Refuse layers whose cache the walk does not carry: sparse-attention indexers and compressed
+    attention, and any state-keeping layer kind other than those of transformers' linear-attention cache
+    (convolution, linear attention / state-space, hybrid), whose states the walk carries."""
     types = layer_types(config)
     indexed = sorted({k for k in types if any(s in str(k).lower() for s in _INDEXED_LAYERS)})
     if indexed:
@@ -76,12 +85,14 @@ def check_stateful_layers(config, name: str) -> None:
             "to K/V (a top-k indexer's keys, compressed blocks) that the tree walk does not manage; not "
             "supported."
         )
-    kinds = sorted({k for k in types if any(s in str(k).lower() for s in _STATEFUL_LAYERS)})
+    kinds = sorted(
+        {k for k in types if any(s in str(k).lower() for s in _STATEFUL_LAYERS) and k not in _CARRIED_STATES}
+    )
     if kinds:
         raise ValueError(
-            f"{name} has layers of kind {kinds}: state-space / linear-attention / convolution layers keep a "
-            "recurrent state, not K/V, and the tree walk only caches K/V; hybrid and state-space models are "
-            "not supported."
+            f"{name} has layers of kind {kinds}: they keep a state that transformers' linear-attention "
+            "cache does not describe (the tree walk carries the states of layers of kind "
+            f"{sorted(_CARRIED_STATES)}); not supported."
         )
 
 
@@ -151,14 +162,18 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 def probe(lm, try_packing: bool) -> bool:
     """Run the walk's operations on a tiny input and compare with the model's own dense forwards.
 
-    A 6-token prefix is forwarded alone (checks causality and the LM-head transform), three sibling leaves of
-    2-4 tokens on its cached K/V one by one and as a padded batch (checks the cache is read), then packed
-    into one row (checks the model applies the hand-made mask and nothing index-based). Raises ``ValueError``
-    naming the cause if an unpacked path differs; returns whether packing is exact (only tried if asked)."""
+    A 6-token prefix is forwarded as two segments, the second on the first's cache (checks causality, the
+    LM-head transform, and that K/V and states carry from segment to segment); three sibling leaves of 2-4
+    tokens on the prefix's cache one by one and as a padded batch (checks the cache is read); then packed
+    into one row (checks the model applies the hand-made mask and nothing index-based). Raises
+    ``ValueError`` naming the cause if an unpacked path differs; returns whether packing is exact (only tried
+    if asked)."""
     name = type(lm.base).__name__
     device = lm.lm_head.weight.device
     dtype = lm.lm_head.weight.dtype
     tolerance = PROBE_TOLERANCE.get(dtype, 5e-2)
+    if lm.has_states and dtype == torch.float64:
+        tolerance = PROBE_TOLERANCE[STATE_DTYPE_FLOOR]
     vocab = lm.lm_head.weight.shape[0]
     seq = ((torch.arange(13, device=device) * 7919 + 11) % vocab).tolist()
     prefix, leaves = seq[:6], [seq[6:8], seq[8:11], seq[9:13]]
@@ -192,8 +207,8 @@ def probe(lm, try_packing: bool) -> bool:
             "is_decoder=False); not supported."
         )
     with _unsupported_on_failure(name):
-        hidden, past = lm.forward(ids(prefix), 0, None)
-    err = _rel(logits(hidden), dense_prefix)
+        hidden, first = lm.forward(ids(prefix[:4]), 0, None)
+    err = _rel(logits(hidden), dense_prefix[:4])
     if not err <= tolerance:
         raise ValueError(
             f"{name}: its decoder + LM head (with the config's logit scale and soft-capping) differs from "
@@ -202,29 +217,35 @@ def probe(lm, try_packing: bool) -> bool:
         )
     errs = []
     with _unsupported_on_failure(name):
-        for leaf, ref in zip(
-            leaves, dense_leaves, strict=True
-        ):  # one leaf at a time, then as a right-padded batch
-            hidden, _ = lm.forward(ids(leaf), len(prefix), past)
+        hidden, second = lm.forward(ids(prefix[4:]), 4, [first])
+        errs.append(_rel(logits(hidden), dense_prefix[4:]))
+        path = [first, second]
+        for leaf, ref in zip(leaves, dense_leaves, strict=True):  # one leaf at a time, then a padded batch
+            hidden, _ = lm.forward(ids(leaf), len(prefix), path)
             errs.append(_rel(logits(hidden), ref[len(prefix) :]))
         batch = torch.zeros(len(leaves), max(map(len, leaves)), dtype=torch.long, device=device)
         for row, leaf in enumerate(leaves):
             batch[row, : len(leaf)] = torch.tensor(leaf, device=device)
-        rows = [(k.expand(len(leaves), -1, -1, -1), v.expand(len(leaves), -1, -1, -1)) for k, v in past]
-        hidden, _ = lm.forward(batch, len(prefix), rows)
+        hidden, _ = lm.forward(batch, len(prefix), lm.expand(path, len(leaves)))
         for row, (leaf, ref) in enumerate(zip(leaves, dense_leaves, strict=True)):
             errs.append(_rel(logits(hidden[row : row + 1, : len(leaf)]), ref[len(prefix) :]))
     err = max(errs)
     if not err <= tolerance:
+        states = (
+            " For a model with state layers: its multi-token kernel does not start from the given state "
+            "(e.g. Mamba-1 layers restart from zero)."
+            if lm.has_states
+            else ""
+        )
         raise ValueError(
             f"{name}: a forward on a cached prefix differs from the model's dense forward by {err:.2e} "
-            f"{where}. The model ignores the passed KV cache (keyword {lm.cache_keyword!r}) or computes "
-            "something that depends on how the sequence is cut into calls; it is not supported."
+            f"{where}. The model ignores the passed cache (keyword {lm.cache_keyword!r}) or computes "
+            f"something that depends on how the sequence is cut into calls; it is not supported.{states}"
         )
-    return try_packing and _packing_is_exact(lm, past, prefix, leaves, dense_leaves, tolerance)
+    return try_packing and _packing_is_exact(lm, path, prefix, leaves, dense_leaves, tolerance)
 
 
-def _packing_is_exact(lm, past, prefix, leaves, dense_leaves, tolerance) -> bool:
+def _packing_is_exact(lm, path, prefix, leaves, dense_leaves, tolerance) -> bool:
     device = lm.lm_head.weight.device
     name = type(lm.base).__name__
     try:
@@ -232,7 +253,7 @@ def _packing_is_exact(lm, past, prefix, leaves, dense_leaves, tolerance) -> bool
             [len(x) for x in leaves], len(prefix), lm.lm_head.weight.dtype, device
         )
         tokens = torch.tensor([t for leaf in leaves for t in leaf], device=device)[None]
-        hidden, _ = lm.forward(tokens, len(prefix), past, positions=positions, attention_mask=mask)
+        hidden, _ = lm.forward(tokens, len(prefix), path, positions=positions, attention_mask=mask)
         got = lm.logits(hidden, 1.0)[0].to(torch.float64).split([len(x) for x in leaves])
         err = max(_rel(g, ref[len(prefix) :]) for g, ref in zip(got, dense_leaves, strict=True))
     except Exception as e:  # noqa: BLE001 - e.g. ALiBi built from a 2-D mask fails on a 4-D one

@@ -1,0 +1,195 @@
+"""Hybrid and state-space models (conv / recurrent states carried through the walk) against dense
+per-sequence computation in float64, on random tries: chunked blocks, sibling batches, prefixes of other
+sequences, duplicates, one-token trie nodes (forwarded with their children, never alone), LoRA.
+
+transformers' state kernels (chunked gated delta rule, Mamba2 scan) compute in float32 even in a float64
+model, so two exact computations differ like float32 ones (seen: log-probs 2e-7, gradients 2e-5 relative);
+the tolerances are float32's. A state not carried, or carried from the wrong segment, changes log-probs by
+>= 1e-3."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+from conftest import VOCAB, dense_grads, dense_logps, grads_of, max_rel_diff
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_executor import loss_fn_for, shared_prefix_sequences
+
+from trl_dta import PrefixTrie, TreeExecutor
+
+LOGP_TOL, GRAD_TOL = 1e-5, 1e-4  # relative, float64 models with float32 state kernels
+
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48)
+_GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"])  # fmt: skip
+_MAMBA = dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1,
+              mamba_chunk_size=4, mamba_d_conv=4)  # fmt: skip
+CONFIGS = {  # family -> (config class, settings): 2 layers, hidden 32
+    "qwen3_5": ("Qwen3_5TextConfig", {**_ATTN, **_GDN}),
+    "qwen3_next": ("Qwen3NextConfig", {**_ATTN, **_GDN, "mlp_only_layers": [0, 1]}),
+    "lfm2": ("Lfm2Config", {**_ATTN, "layer_types": ["conv", "full_attention"]}),
+    "falcon_h1": ("FalconH1Config", {**_ATTN, **_MAMBA}),
+    "mamba2": (
+        "Mamba2Config",
+        dict(num_heads=8, head_dim=8, state_size=8, n_groups=1, chunk_size=4, expand=2, conv_kernel=4),
+    ),  # fmt: skip
+}
+
+
+def hybrid_model(family: str, seed: int = 0, dtype=torch.float64):
+    name, settings_ = CONFIGS[family]
+    config = getattr(transformers, name)(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, tie_word_embeddings=False,
+        initializer_range=0.2, **settings_,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def cached(family):
+    if family not in _MODELS:
+        _MODELS[family] = hybrid_model(family)
+    return _MODELS[family]
+
+
+def rel(got, ref):
+    return ((got - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_states_are_carried(family):
+    executor = TreeExecutor(cached(family))
+    assert executor.lm.has_states
+    assert not executor.pack_leaves  # one leaf's state would run into the next leaf of a packed row
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seqs=shared_prefix_sequences(max_sequences=7, max_len=18),
+    block_size=st.sampled_from([2, 3, 5, 1000]),
+    batch_tokens=st.sampled_from([0, 7, None]),
+    use_entropy=st.booleans(),
+)
+def test_backward_and_logprobs_match_dense(family, seqs, block_size, batch_tokens, use_entropy):
+    model = cached(family)
+    loss_fn = loss_fn_for(seqs, use_entropy)
+    ref, ref_total = dense_grads(model, seqs, loss_fn)
+    executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens)
+    trie = PrefixTrie.from_sequences(seqs)
+    logps = executor.logprobs(trie)
+    with torch.no_grad():
+        for lp, seq in zip(logps, seqs, strict=True):
+            assert rel(lp, dense_logps(model, seq)[0]) <= LOGP_TOL
+    model.zero_grad(set_to_none=True)
+    total = executor.backward(trie, loss_fn, entropies=use_entropy)
+    assert max_rel_diff(grads_of(model), ref) <= GRAD_TOL
+    assert total == pytest.approx(ref_total, rel=LOGP_TOL)  # Mamba2 returns float32 logits
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
+@pytest.mark.parametrize("block_size", [2, 1000])
+def test_one_token_nodes_are_forwarded_with_their_children(family, block_size, monkeypatch):
+    """One-token trie nodes (shared first answer token, a sequence ending there) on a carried state: never
+    forwarded alone (the model's decode kernels may differ), exact."""
+    from trl_dta.causal_lm import CausalLM
+
+    model = cached(family)
+    seqs = [
+        [5, 6, 7, 8, 9],
+        [5, 6, 7, 8, 10, 11],
+        [5, 6, 7],
+        [5, 6, 7, 12],
+        [5, 6, 7, 12, 13, 14],
+        [5, 6, 20],
+    ]
+    lengths = []
+    forward = CausalLM._decode
+
+    def spy(self, input_ids, start, path, *args):
+        lengths.append((input_ids.shape[1], bool(path)))
+        return forward(self, input_ids, start, path, *args)
+
+    monkeypatch.setattr(CausalLM, "_decode", spy)
+    loss_fn = loss_fn_for(seqs, use_entropy=True)
+    ref, _ = dense_grads(model, seqs, loss_fn)
+    executor = TreeExecutor(model, block_size=block_size, batch_tokens=0)
+    lengths.clear()
+    model.zero_grad(set_to_none=True)
+    executor.backward(PrefixTrie.from_sequences(seqs), loss_fn, entropies=True)
+    assert max_rel_diff(grads_of(model), ref) <= GRAD_TOL
+    assert all(n > 1 for n, on_path in lengths if on_path)
+
+
+def test_lora_backward_matches_dense():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        hybrid_model("qwen3_5", seed=1),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["in_proj_qkv", "out_proj", "q_proj", "down_proj"],
+                        init_lora_weights=False),
+    )  # fmt: skip
+    seqs = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 8, 11], [5, 6, 7, 8, 11], [5, 6, 12, 13, 14, 15, 16], [5, 6, 7]]
+    loss_fn = loss_fn_for(seqs, use_entropy=True)
+    ref, _ = dense_grads(model, seqs, loss_fn)
+    assert ref and all("lora_" in name for name in ref)
+    for block_size in (3, 1000):
+        model.zero_grad(set_to_none=True)
+        TreeExecutor(model, block_size=block_size).backward(
+            PrefixTrie.from_sequences(seqs), loss_fn, entropies=True
+        )
+        assert max_rel_diff(grads_of(model), ref) <= GRAD_TOL
+
+
+def test_state_not_carried_is_refused():
+    """Mamba-1 layers restart their multi-token scan from zero: the probe sees the prefix's state ignored."""
+    config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
+    with pytest.raises(ValueError, match="does not start from the given state"):
+        TreeExecutor(model)
+
+
+def test_unknown_state_layer_kind_is_refused():
+    from trl_dta.model_checks import check_stateful_layers
+
+    config = SimpleNamespace(num_hidden_layers=2, layer_types=["rwkv", "full_attention"])
+    with pytest.raises(ValueError, match="rwkv"):
+        check_stateful_layers(config, "Model")
+
+
+@pytest.mark.parametrize("accumulation", [1, 4])
+def test_trainer_gradients_equal_stock_trl_on_qwen3_5(tmp_path, monkeypatch, accumulation):
+    """TreePPOTrainer on a tiny Qwen3.5 (Gated DeltaNet + attention) against stock GRPOTrainer: fp32, SGD,
+    two optimizer steps with moving, clipped ratios and KL. Tolerance 3e-4 instead of attention models' 1e-4:
+    the decay gates' gradients (in_proj_a, A_log, dt_bias) pass through exp(cumsum) in the float32 kernel and
+    differ by up to 1.4e-4 between the two exact computations (every other tensor <= 1e-4). lr 0.1, not the
+    attention tests' 2.0: with a third of the tokens clipped at step 2, that rounding flips clip decisions
+    (seen 9e-4 at lr 0.5, 7e-5 at lr 0.1)."""
+    import test_trainer
+    from grpo_setup import tiny_tokenizer
+    from test_trainer import MOVING, assert_same_gradients
+
+    monkeypatch.setattr(test_trainer, "TOL", 3e-4)
+
+    tokenizer = tiny_tokenizer()
+    name, settings_ = CONFIGS["qwen3_5"]
+    config = getattr(transformers, name)(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, tie_word_embeddings=False,
+        initializer_range=0.2, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None, **settings_,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path / "qwen3_5"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    batch = dict(per_device_train_batch_size=8 // accumulation, gradient_accumulation_steps=accumulation)
+    stock_logs, _ = assert_same_gradients(
+        tmp_path, str(path), beta=0.04, **batch, **{**MOVING, "learning_rate": 0.1}
+    )
+    assert stock_logs[1]["clip_ratio/region_mean"] > 0
