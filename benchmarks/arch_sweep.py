@@ -85,7 +85,7 @@ TINY = dict(  # noqa: C408 - keyword style keeps the long list readable
     linear_num_value_heads=4, ffn_dim=48, attention_heads=4,
     # state-space layers: small states and scan chunks (a 256-token chunk pads every tiny call to 256)
     state_size=16, ssm_state_size=16, mamba_d_state=16, chunk_size=8, mamba_chunk_size=8, n_groups=1,
-    mamba_n_groups=1, mamba_n_heads=4, mamba_num_heads=4, mamba_d_head=8, mamba_head_dim=8,
+    mamba_n_groups=1, mamba_n_heads=4, mamba_num_heads=4, mamba_d_head=16, mamba_head_dim=8, mamba_d_ssm=64,
 )  # fmt: skip
 
 # Cases beyond each model type's defaults: the settings that change what the walk must do.
@@ -127,6 +127,7 @@ SECONDS_PER_CHECK = 30  # a model whose tiny build or check takes longer is repo
 # model types whose default config does not build a model without a few more settings
 TYPE_OVERRIDES = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "mamba2": {"num_heads": 8, "head_dim": 8},  # heads x head_dim = expand x hidden
 }
 
 
@@ -432,6 +433,8 @@ def summarize(results: list[Result]) -> tuple[str, str]:
         return "not built", _short(results[0].detail.replace("_Timeout: ", "too slow for a tiny build: "), 90)
     if verdicts == {"exact"}:
         notes = []
+        if any(r.extra.get("states") for r in results):
+            notes.append("conv / recurrent states carried (float32 kernels)")
         if not all(r.extra.get("packed", True) for r in results):
             notes.append("padded")
         longs = {r.long for r in results if r.long}
@@ -468,10 +471,15 @@ def _reason(message: str) -> str:
         ("model's sliding window", "sequences longer than the sliding window refused"),
         ("model's chunked attention", "sequences longer than the attention chunk refused"),
         ("is not causal", "not causal (encoder / bidirectional attention)"),
-        ("keep a recurrent state", "hybrid / state-space layers (state other than K/V)"),
+        (
+            "does not start from the given state",
+            "state-space kernel ignores the given state (Mamba-1 layers)",
+        ),
+        ("linear-attention cache does not describe", "state layers of a kind the walk does not carry"),
+        ("a forward on a cached prefix differs", "cached forward differs from dense"),
         ("fails when run on a given KV cache", "fails on a given KV cache"),
         ("own forward fails on a plain input", "the model's own forward fails on plain token ids"),
-        ("layers wrote to the KV cache", "layers share or skip K/V"),
+        ("wrote no K/V to the passed cache", "layers share or skip K/V"),
         ("ignores the passed KV cache", "cached forward differs from dense"),
         ("transforms its logits", "logit transform not reproduced"),
         ("RoPE", "sequences past the original context refused (length-dependent RoPE)"),

@@ -231,16 +231,16 @@ def probe(lm, try_packing: bool) -> bool:
             errs.append(_rel(logits(hidden[row : row + 1, : len(leaf)]), ref[len(prefix) :]))
     err = max(errs)
     if not err <= tolerance:
-        states = (
-            " For a model with state layers: its multi-token kernel does not start from the given state "
-            "(e.g. Mamba-1 layers restart from zero)."
+        cause = (
+            "its multi-token kernel does not start from the given state (e.g. Mamba-1 layers restart from "
+            "zero), or it ignores the passed cache"
             if lm.has_states
-            else ""
+            else f"the model ignores the passed cache (keyword {lm.cache_keyword!r})"
         )
         raise ValueError(
             f"{name}: a forward on a cached prefix differs from the model's dense forward by {err:.2e} "
-            f"{where}. The model ignores the passed cache (keyword {lm.cache_keyword!r}) or computes "
-            f"something that depends on how the sequence is cut into calls; it is not supported.{states}"
+            f"{where}: {cause}, or computes something that depends on how the sequence is cut into calls; "
+            "not supported."
         )
     return try_packing and _packing_is_exact(lm, path, prefix, leaves, dense_leaves, tolerance)
 
