@@ -453,8 +453,8 @@ class CausalLM:
             with torch.autocast(hidden.device.type, enabled=False):
                 bias = None if self.lm_head.bias is None else self.lm_head.bias.float()
                 z = nn.functional.linear(hidden.float(), self.lm_head.weight.float(), bias)
-        else:
-            z = self.lm_head(hidden)
+        else:  # in the head's dtype, as models whose residual stream is float32 (Mamba2) cast it
+            z = self.lm_head(hidden.to(self.lm_head.weight.dtype))
         z = z.to(dtype)
         if self.logit_scale != 1.0:
             z = z * self.logit_scale
