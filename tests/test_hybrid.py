@@ -190,8 +190,8 @@ def test_unknown_state_layer_kind_is_refused():
         check_stateful_layers(config, "Model")
 
 
-@pytest.mark.parametrize("accumulation", [1, 4])
-def test_trainer_gradients_equal_stock_trl_on_qwen3_5(tmp_path, monkeypatch, accumulation):
+@pytest.mark.parametrize("accumulation,lora", [(1, False), (4, False), (2, True)])
+def test_trainer_gradients_equal_stock_trl_on_qwen3_5(tmp_path, monkeypatch, accumulation, lora):
     """TreePPOTrainer on a tiny Qwen3.5 (Gated DeltaNet + attention) against stock GRPOTrainer: fp32, SGD,
     two optimizer steps with moving, clipped ratios and KL. Tolerance 3e-4 instead of attention models' 1e-4:
     the decay gates' gradients (in_proj_a, A_log, dt_bias) pass through exp(cumsum) in the float32 kernel and
@@ -215,6 +215,12 @@ def test_trainer_gradients_equal_stock_trl_on_qwen3_5(tmp_path, monkeypatch, acc
     path = tmp_path / "qwen3_5"
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
     batch = dict(per_device_train_batch_size=8 // accumulation, gradient_accumulation_steps=accumulation)
+    if lora:
+        from peft import LoraConfig
+
+        batch["peft_config"] = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["in_proj_qkv", "out_proj", "q_proj"], init_lora_weights=False
+        )
     stock_logs, _ = assert_same_gradients(
         tmp_path, str(path), beta=0.04, **batch, **{**MOVING, "learning_rate": 0.1}
     )
