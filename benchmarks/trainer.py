@@ -1,6 +1,7 @@
 """Benchmark: TreePPOTrainer vs stock TRL GRPOTrainer end to end (``trainer.train()``) on tau2-shaped batches.
 
     python benchmarks/trainer.py [--quick] [--case tau2-ga1|tau2-ga4|tau2-ga8|long-prompt-ga4] [--steps 4]
+                                 [--threads 2]
 
 Four trainers, same initial weights, same scripted batches (tests/grpo_setup.py: every rollout of a group
 shares the system prompt + tool schemas, the user turn and a first tool-call turn with its tool response,
@@ -258,6 +259,9 @@ def main():
     ap.add_argument("--repeats", type=int, help="timed train() runs per trainer (default 2; 1 with --quick)")
     ap.add_argument("--case", choices=sorted(CASES), default="tau2-ga1")
     ap.add_argument("--prompt_words", type=int, default=600, help="filler words of long-prompt-ga4's prompt")
+    ap.add_argument(
+        "--threads", type=int, default=2, help="torch threads (1 is steadier on a shared machine)"
+    )
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out"))
     ap.add_argument("--memory_of", help=argparse.SUPPRESS)  # internal: one trainer's peak RSS, fresh process
     args = ap.parse_args()
@@ -265,7 +269,7 @@ def main():
     args.repeats = args.repeats or (1 if args.quick else 2)
 
     sys.stdout.reconfigure(line_buffering=True)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

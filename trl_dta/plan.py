@@ -9,6 +9,8 @@ the executor's loop stays small and the schedule can be tested on its own:
   (chunked backward). ``terminals`` are the sequences that end with this segment.
 * :class:`Leaves` forwards a batch of sibling leaf segments in one call on top of the stack, computes their
   sequences' losses and backpropagates them at once. A leaf is never forwarded without a graph (cut tail).
+  With ``parents`` it is a packed *subtree* instead: a trie node and all its descendants, whole, in one call
+  (see ``subtree_tokens`` below).
 * :class:`Pop` backpropagates the top segment with the gradients its descendants sent into its K/V,
   last hidden state and log-probs, then frees it.
 
@@ -24,6 +26,12 @@ Rules:
   while the batch's cost stays within ``batch_tokens``: the sum of their lengths when the executor packs
   them into one row (``packed``), ``rows x longest row`` when it pads them into a batch (walk order is
   shortest first, so padding stays small). ``batch_tokens=0`` forwards one leaf per call.
+* Packed subtrees (``packed`` and ``subtree_tokens > 0``): an internal child whose subtree (the node and
+  all its descendants) holds at most ``min(subtree_tokens, batch_tokens, block_size)`` tokens is one
+  :class:`Leaves` step with ``parents``, instead of a push, its children's steps and a pop: one forward and
+  one backward call for the whole subtree (a tree-shaped causal mask), fewer and larger calls than the walk
+  makes for it. The mask's attention is computed over the whole packed row, so the budget trades per-call
+  overhead against attention work; one subtree per step.
 * Children are visited in :meth:`PrefixTrie.walk_children` order.
 """
 
@@ -58,6 +66,9 @@ class Push:
 @dataclass(frozen=True)
 class Leaves:
     segments: tuple[Segment, ...]
+    # () for sibling leaves (children of the stack's top). A packed subtree: whole trie nodes, each after its
+    # parent, and per segment the index of its parent in ``segments`` (-1: the stack's top).
+    parents: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -75,8 +86,28 @@ class _Builder:
     block_size: int
     batch_tokens: int
     packed: bool
+    subtree_tokens: int = 0
     steps: list[Step] = field(default_factory=list)
     graph_tokens: int = 0  # tokens with a kept graph currently on the stack
+    _sizes: dict[TrieNode, int] = field(default_factory=dict)  # subtree tokens of the nodes seen so far
+
+    def _subtree_size(self, node: TrieNode) -> int:
+        if node not in self._sizes:
+            self._sizes[node] = node.num_tokens + sum(self._subtree_size(c) for c in node.children)
+        return self._sizes[node]
+
+    def _packs_subtree(self, node: TrieNode) -> bool:
+        limit = min(self.subtree_tokens, self.batch_tokens, self.block_size)
+        return self.packed and not node.is_leaf and self._subtree_size(node) <= limit
+
+    def _subtree(self, node: TrieNode) -> Leaves:
+        segments, parents, todo = [], [], [(node, -1)]
+        while todo:  # pre-order: a node before its children, children in walk order
+            n, parent = todo.pop()
+            segments.append(Segment(n, n.start, n.end, tuple(n.terminals)))
+            parents.append(parent)
+            todo.extend((c, len(segments) - 1) for c in reversed(self.trie.walk_children(n)))
+        return Leaves(tuple(segments), tuple(parents))
 
     def _pieces(self, node: TrieNode) -> list[Segment]:
         cuts = list(range(node.start, node.end, self.block_size)) + [node.end]
@@ -117,7 +148,10 @@ class _Builder:
                 batch.append(segment)
                 continue
             self._flush(batch)
-            self.visit(child)
+            if self._packs_subtree(child):
+                self.steps.append(self._subtree(child))
+            else:
+                self.visit(child)
         self._flush(batch)
 
     def visit(self, node: TrieNode) -> None:
@@ -133,13 +167,18 @@ class _Builder:
             self._pop(push)
 
 
-def build_plan(trie: PrefixTrie, block_size: int, batch_tokens: int, packed: bool = False) -> list[Step]:
+def build_plan(
+    trie: PrefixTrie, block_size: int, batch_tokens: int, packed: bool = False, subtree_tokens: int = 0
+) -> list[Step]:
     """The list of steps that walks ``trie`` (see the module docstring for the rules); ``packed``: sibling
-    leaves are forwarded packed into one row (their budget counts their tokens, not padded rows)."""
+    leaves are forwarded packed into one row (their budget counts their tokens, not padded rows), and
+    subtrees of at most ``subtree_tokens`` tokens are packed whole (0: never)."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if batch_tokens < 0:
         raise ValueError(f"batch_tokens must be >= 0, got {batch_tokens}")
-    builder = _Builder(trie, block_size, batch_tokens, packed)
+    if subtree_tokens < 0:
+        raise ValueError(f"subtree_tokens must be >= 0, got {subtree_tokens}")
+    builder = _Builder(trie, block_size, batch_tokens, packed, subtree_tokens)
     builder.visit_children(trie.root)
     return builder.steps

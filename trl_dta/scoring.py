@@ -33,10 +33,12 @@ def first_scored(trie: PrefixTrie, score_from: Sequence[int] | None):
     return list(score_from), node_from
 
 
-def path_scores(stack, logps, ents, leaf_from: int, seq_from: int):
+def path_scores(stack, logps, ents, leaf_from: int, seq_from: int, above=()):
     """A sequence's log-probs (and entropies) from its index ``seq_from`` on: the scored part of each
-    segment on the stack, then ``logps``/``ents`` of a leaf row (which start at index ``leaf_from``)."""
-    pieces = [(f.logps_in, f.entropies_in, f.lp_from) for f in stack]
+    segment on the stack, then of the ``above`` pieces (``(logps, entropies, first index)`` of the segments of
+    a packed subtree on the sequence's path, root first), then ``logps``/``ents`` of a leaf row (which start
+    at index ``leaf_from``)."""
+    pieces = [(f.logps_in, f.entropies_in, f.lp_from) for f in stack] + list(above)
     if logps is not None:
         pieces.append((logps, ents, leaf_from))
     cut = [max(0, seq_from - first) for _, _, first in pieces]
@@ -46,22 +48,25 @@ def path_scores(stack, logps, ents, leaf_from: int, seq_from: int):
     return cat_lp, torch.cat([e[c:] for (_, e, _), c in zip(pieces, cut, strict=True)])
 
 
-def score_rows(lm, hiddens, ids, start: int, parent_hidden, temperature: float, entropies: bool, froms):
+def score_rows(lm, hiddens, ids, start, parent_hidden, temperature: float, entropies: bool, froms):
     """Log-probs (and entropies) of each row's tokens (``hiddens[r]``: [L_r, D], ``ids[r]``: [L_r], at
     positions ``start..``): the logits of position ``t`` score token ``t + 1`` (log-prob index ``t``),
     and the parent's last hidden state scores the segment's first token (none at the root). Row ``r``
     is scored from index ``max(froms[r], start - 1)`` on; returns, per row, the log-probs, entropies and
-    that first index. One LM-head call for all rows."""
+    that first index. One LM-head call for all rows. ``start`` and ``parent_hidden`` are shared by the rows
+    (sibling leaves), or lists with one per row (the segments of a packed subtree)."""
+    rows = len(ids)
+    starts = start if isinstance(start, (list, tuple)) else [start] * rows
+    parents = parent_hidden if isinstance(parent_hidden, (list, tuple)) else [parent_hidden] * rows
     inputs, targets, firsts = [], [], []
-    lowest = max(start - 1, 0)
-    for h, t, first in zip(hiddens, ids, froms, strict=True):
-        end = start + t.numel() - 1  # one past the segment's last log-prob index
-        first = min(max(first, lowest), end)
-        if first < start:  # the parent's last hidden state scores the first token
-            inputs.append(torch.cat([parent_hidden.reshape(1, -1).to(h.dtype), h[: end - start]]))
+    for h, t, first, begin, parent in zip(hiddens, ids, froms, starts, parents, strict=True):
+        end = begin + t.numel() - 1  # one past the segment's last log-prob index
+        first = min(max(first, begin - 1, 0), end)
+        if first < begin:  # the parent's last hidden state scores the first token
+            inputs.append(torch.cat([parent.reshape(1, -1).to(h.dtype), h[: end - begin]]))
         else:
-            inputs.append(h[first - start : end - start])
-        targets.append(t[first + 1 - start : end + 1 - start])
+            inputs.append(h[first - begin : end - begin])
+        targets.append(t[first + 1 - begin : end + 1 - begin])
         firsts.append(first)
     counts = [t.numel() for t in targets]
     if sum(counts) == 0:
