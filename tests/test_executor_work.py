@@ -81,12 +81,23 @@ def test_forward_and_logits_sizes_bounded_by_block_and_batch_budget():
 def test_sibling_leaves_share_one_forward(pack):
     model = make_model("qwen3", "sdpa", dtype=torch.float32)
     seqs = [[1, 2, 3, 4] + [10 + k, 11, 12 + k, 13][: 2 + k % 3] for k in range(8)]
-    executor = TreeExecutor(model, batch_tokens=64, pack_leaves=pack)
+    executor = TreeExecutor(model, batch_tokens=64, pack_leaves=pack, subtree_tokens=0)
     counter = TokenCounter(model)
     executor.backward(PrefixTrie.from_sequences(seqs), loss_fn)
     counter.remove()
     leaf_tokens = sum(len(s) - 4 for s in seqs)
     assert counter.calls == [4, leaf_tokens if pack else 8 * 4]  # packed: no padding
+
+
+def test_small_subtree_is_one_forward():
+    model = make_model("qwen3", "sdpa", dtype=torch.float32)
+    trie = PrefixTrie.from_sequences(sequences())  # a 40-token system prompt, 3 groups of 4 (~25 tokens each)
+    executor = TreeExecutor(model, subtree_tokens=60)
+    counter = TokenCounter(model)
+    executor.backward(trie, loss_fn)
+    counter.remove()
+    # the system prompt, then each group (its prompt and first turn, and its 4 tails) in one call
+    assert len(counter.calls) == 4 and counter.tokens == trie.num_unique_tokens
 
 
 def leaf_sequences(num_leaves, prefix=256, leaf=256):

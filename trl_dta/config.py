@@ -21,6 +21,11 @@ class TreePPOConfig(GRPOConfig):
             are packed into one row with a block-diagonal causal mask on eager/sdpa attention), or rows x
             longest row where they are padded into a batch. `None` uses `tree_block_size`; 0 forwards one
             leaf per call.
+        tree_subtree_tokens (`int`, defaults to 512):
+            Where sibling leaves are packed (eager/sdpa attention), a subtree of at most this many tokens (a
+            trie node and all its descendants) is forwarded whole in one row with a tree-shaped causal mask
+            and backpropagated in one call: fewer, larger model calls. The mask's attention covers the whole
+            row, so a larger budget trades per-call overhead for attention work. 0 turns it off.
         tree_lexicographic_steps (`bool`, defaults to `False`):
             Opt-in. Instead of TRL's random shuffle, order each generation batch lexicographically (rows that
             share a prefix become neighbours) and cut it into micro-batches in that order, so each optimizer
@@ -48,6 +53,9 @@ class TreePPOConfig(GRPOConfig):
     tree_batch_tokens: int | None = field(
         default=None, metadata={"help": "Token budget for batching sibling leaves (None: tree_block_size)."}
     )
+    tree_subtree_tokens: int = field(
+        default=512, metadata={"help": "Pack subtrees of at most this many tokens into one call (0: off)."}
+    )
     tree_lexicographic_steps: bool = field(
         default=False,
         metadata={"help": "Give each optimizer step a contiguous lexicographic run of the generation batch."},
@@ -71,3 +79,5 @@ class TreePPOConfig(GRPOConfig):
             raise ValueError(f"tree_block_size must be >= 1, got {self.tree_block_size}")
         if self.tree_batch_tokens is not None and self.tree_batch_tokens < 0:
             raise ValueError(f"tree_batch_tokens must be >= 0, got {self.tree_batch_tokens}")
+        if self.tree_subtree_tokens < 0:
+            raise ValueError(f"tree_subtree_tokens must be >= 0, got {self.tree_subtree_tokens}")

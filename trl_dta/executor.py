@@ -109,6 +109,10 @@ class TreeExecutor:
             mask (eager, sdpa) and the construction probe finds packing exact for the model (no attention
             window, no bias built from key indices such as ALiBi); otherwise, or with False, as a right-padded
             batch.
+        subtree_tokens: where leaves are packed, a subtree (a node and all its descendants) of at most this
+            many tokens is forwarded whole in one packed row with a tree-shaped causal mask and
+            backpropagated in one call (fewer, larger calls; the mask's attention covers the whole row, so
+            larger subtrees trade call overhead for attention work). 0: sibling leaves only.
 
     Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
     HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
@@ -121,6 +125,7 @@ class TreeExecutor:
         batch_tokens: int | None = None,
         lm_head_fp32: bool = False,
         pack_leaves: bool = True,
+        subtree_tokens: int = 512,
     ):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -128,6 +133,7 @@ class TreeExecutor:
         self.block_size = block_size
         self.batch_tokens = block_size if batch_tokens is None else batch_tokens
         self.pack_leaves = pack_leaves and self.lm.can_pack
+        self.subtree_tokens = subtree_tokens if self.pack_leaves else 0
         self.device = self.lm.decoder.get_input_embeddings().weight.device
         self._router: RouterGrad | RouterStats | None = None  # set during a walk that reads router logits
 
@@ -215,7 +221,9 @@ class TreeExecutor:
         self._seq_from, self._node_from = first_scored(trie, score_from)
         try:
             with self.lm.no_gradient_checkpointing():
-                for step in build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves):
+                for step in build_plan(
+                    trie, self.block_size, self.batch_tokens, self.pack_leaves, self.subtree_tokens
+                ):
                     if isinstance(step, Push):
                         with_graph = grad and step.keep_graph
                         frame = self._push(trie, step.segment, stack, temperature, entropies, with_graph)
@@ -356,6 +364,7 @@ class TreeExecutor:
 
     def _leaves(self, trie, step: Leaves, stack, temperature, entropies, on_sequence, grad) -> None:
         segments = step.segments
+        parents = step.parents or (-1,) * len(segments)  # a packed subtree: each segment's parent in the row
         top = self._pending(stack)  # its token heads every row (state models, see _compute_segment)
         lead = 0 if top is None else top.pending.numel()
         ids = [self._segment_ids(trie, s) for s in segments]
@@ -365,7 +374,7 @@ class TreeExecutor:
         parent_hidden = stack[-1].last_hidden_in if stack else None
         with torch.set_grad_enabled(grad):
             if len(segments) > 1 and self.pack_leaves:
-                hiddens, routers = self._forward_packed(ids, start, stack)
+                hiddens, routers = self._forward_packed(ids, start, stack, step)
             else:
                 hiddens, routers = self._forward_padded(ids, start, stack)
             losses = [
@@ -375,13 +384,21 @@ class TreeExecutor:
             ]
             if self._scoring:
                 froms = [max(self._from(s.node), start if lead else 0) for s in segments]
+                starts = (
+                    [start] * len(segments) if lead else [s.start for s in segments]
+                )  # (lead: no subtree)
+                above = [parent_hidden if p < 0 else hiddens[p][-1] for p in parents]
                 lps, ents, firsts = score_rows(
-                    self.lm, hiddens, ids, start, parent_hidden, temperature, entropies, froms
+                    self.lm, hiddens, ids, starts, above, temperature, entropies, froms
                 )
+                pieces = [(lps[r], ents[r] if entropies else None, firsts[r]) for r in range(len(segments))]
                 for row, segment in enumerate(segments):
-                    ent = ents[row] if entropies else None
+                    chain, up = [], parents[row]  # the row's ancestors in the step, root first
+                    while up >= 0:
+                        chain.insert(0, pieces[up])
+                        up = parents[up]
                     for i in segment.terminals:
-                        path = path_scores(stack, lps[row], ent, firsts[row], self._seq_from[i])
+                        path = path_scores(stack, *pieces[row][:2], firsts[row], self._seq_from[i], chain)
                         losses.append(on_sequence(i, *path))
         if grad:
             self._backprop_losses(losses)
@@ -404,12 +421,16 @@ class TreeExecutor:
             ]
         return [hidden[row, :n] for row, n in enumerate(lengths)], per_row
 
-    def _forward_packed(self, ids, start, stack):
-        """Sibling leaves packed into one row: each token attends the shared past and the earlier tokens of
-        its own leaf (a block-diagonal causal mask), and positions restart at ``start`` for every leaf. No
-        padding, and the past K/V is not replicated per leaf."""
+    def _forward_packed(self, ids, start, stack, step: Leaves):
+        """Sibling leaves, or the segments of a subtree, packed into one row: each token attends the shared
+        past, the earlier tokens of its own segment and its segment's ancestors in the row (a tree-shaped
+        causal mask), at its own position (restarting at ``start`` for every sibling leaf). No padding, and
+        the past K/V is not replicated per row."""
         lengths = [t.numel() for t in ids]
-        positions, mask = packed_inputs(lengths, start, self.lm.lm_head.weight.dtype, self.device)
+        positions, mask = packed_inputs(
+            lengths, start, self.lm.lm_head.weight.dtype, self.device,
+            parents=step.parents or None, starts=[s.start for s in step.segments] if step.parents else None,
+        )  # fmt: skip
         hidden, _, routers = self._forward(
             torch.cat(ids)[None], start, stack, positions=positions, attention_mask=mask
         )

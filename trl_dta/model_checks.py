@@ -119,21 +119,28 @@ def rope_length_limit(model) -> tuple[int | None, str]:
     return min(limits) if limits else (None, "")
 
 
-def packed_inputs(lengths: list[int], start: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions [1, T] and additive 4-D mask [1, 1, T, start + T] that pack sibling leaves of the given
-    lengths into one row on a shared past of ``start`` tokens: each token sees the past and the earlier
-    tokens of its own leaf, and positions restart at ``start`` for every leaf."""
-    total = sum(lengths)
-    leaf = torch.repeat_interleave(
-        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
-    )
-    offsets = torch.cat([torch.arange(n, device=device) for n in lengths])
-    same_leaf_causal = (leaf[:, None] == leaf[None, :]) & (offsets[:, None] >= offsets[None, :])
-    visible = torch.cat([same_leaf_causal.new_ones(total, start), same_leaf_causal], dim=1)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(
-        ~visible, torch.finfo(dtype).min
-    )
-    return (start + offsets)[None], mask[None, None]
+def packed_inputs(
+    lengths: list[int], start: int, dtype, device, parents=None, starts=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [1, T] and additive 4-D mask [1, 1, T, start + T] that pack segments of the given lengths
+    into one row on a shared past of ``start`` tokens: each token sees the past, the earlier tokens of its
+    own segment and every token of the segment's ancestors. Sibling leaves (``parents`` None): no ancestors,
+    positions restart at ``start`` for every leaf. A packed subtree: ``parents[k]`` is segment ``k``'s parent
+    index (-1: none in the row; parents come first) and ``starts[k]`` its first position."""
+    n = len(lengths)
+    segment = torch.repeat_interleave(torch.arange(n, device=device), torch.tensor(lengths, device=device))
+    offsets = torch.cat([torch.arange(k, device=device) for k in lengths])
+    index = torch.arange(segment.numel(), device=device)
+    ancestor = torch.eye(n, dtype=torch.bool, device=device)  # [k, j]: j is k or an ancestor of k
+    for k, parent in enumerate(parents or ()):
+        if parent >= 0:
+            ancestor[k] |= ancestor[parent]
+    visible = ancestor[segment][:, segment] & (index[None, :] <= index[:, None])  # ancestors come first
+    visible = torch.cat([visible.new_ones(segment.numel(), start), visible], dim=1)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    first = torch.tensor(starts if starts is not None else [start] * n, device=device)
+    return (first[segment] + offsets)[None], mask[None, None]
 
 
 @contextlib.contextmanager

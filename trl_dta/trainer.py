@@ -84,6 +84,7 @@ class TreePPOTrainer(GRPOTrainer):
         self._tree_options = {
             "block_size": getattr(a, "tree_block_size", TreePPOConfig.tree_block_size),
             "batch_tokens": getattr(a, "tree_batch_tokens", None),
+            "subtree_tokens": getattr(a, "tree_subtree_tokens", TreePPOConfig.tree_subtree_tokens),
             "lm_head_fp32": a.cast_lm_head_to_fp32,
         }
         self._tree_check = getattr(a, "tree_check_gradients", False)
