@@ -70,6 +70,15 @@ def fp64_state_kernels(monkeypatch):
 
 
 _MODELS: dict[str, torch.nn.Module] = {}
+# one-token nodes with children ([7], [8], [12]); sequences end at two of them ([7], [12])
+ONE_TOKEN_NODES = [
+    [5, 6, 7, 8, 9],
+    [5, 6, 7, 8, 10, 11],
+    [5, 6, 7],
+    [5, 6, 7, 12],
+    [5, 6, 7, 12, 13, 14],
+    [5, 6, 20],
+]
 
 
 def cached(family):
@@ -127,14 +136,7 @@ def test_one_token_nodes_are_forwarded_with_their_children(family, block_size, m
     from trl_dta.causal_lm import CausalLM
 
     model = cached(family)
-    seqs = [
-        [5, 6, 7, 8, 9],
-        [5, 6, 7, 8, 10, 11],
-        [5, 6, 7],
-        [5, 6, 7, 12],
-        [5, 6, 7, 12, 13, 14],
-        [5, 6, 20],
-    ]
+    seqs = ONE_TOKEN_NODES
     lengths = []
     forward = CausalLM._decode
 
@@ -244,14 +246,7 @@ def test_moe_aux_loss_with_one_token_nodes(block_size):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
     model = model.to(torch.float64).eval()
-    seqs = [
-        [5, 6, 7, 8, 9],
-        [5, 6, 7, 8, 10, 11],
-        [5, 6, 7],
-        [5, 6, 7, 12],
-        [5, 6, 7, 12, 13, 14],
-        [5, 6, 20],
-    ]
+    seqs = ONE_TOKEN_NODES
     loss_fn = loss_fn_for(seqs, use_entropy=True)
     ref, ref_aux = dense(model, seqs, loss_fn)
     got, got_aux = tree(TreeExecutor(model, block_size=block_size, batch_tokens=0), model, seqs, loss_fn)
