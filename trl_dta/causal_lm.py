@@ -171,8 +171,9 @@ class _RecordingCache(DynamicCache):
         return True  # models then run their multi-token path, which calls update_conv_state
 
     def finish(self, name: str) -> None:
-        """States a model read and updated in place (single-token decode kernels) without writing them back
-        are the new states; a state read and neither written back nor updated is an error."""
+        """States a model read and updated in place (as decode kernels do; the walk never runs those, but a
+        model's multi-token path might) without writing them back are the new states; a state read and
+        neither written back nor updated is an error."""
         for (layer_idx, key), copy in self.handed.items():
             if copy._version == self.handed_versions[(layer_idx, key)]:
                 raise ValueError(
