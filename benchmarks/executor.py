@@ -20,8 +20,8 @@ warm-up). Times are medians of ``--repeats`` alternating runs; memory is the pea
 Reading the table: ``dedup`` = tokens / unique tokens is the speedup one would expect if cost were linear in
 tokens forwarded, so ``speedup / dedup`` is the tree's efficiency against that ideal. It can exceed 1: dense
 also pays for padding (``padded`` = padded tokens / real tokens) and attends over the shared prefix once per
-row. Below 1 it measures the walk's overheads: many small forwards instead of a few big ones, K/V
-concatenation, and per-segment backward calls. ``--dense_logits_to_keep`` gives dense TRL's saving of
+row. Below 1 it measures the walk's overheads: many small forwards instead of a few big ones, and
+per-segment backward calls. ``--dense_logits_to_keep`` gives dense TRL's saving of
 computing the LM head on completion positions only (the tree computes it on every unique token).
 
 Run it on an otherwise idle machine. If another job holds one of the cores, each multi-threaded op waits

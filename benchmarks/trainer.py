@@ -43,9 +43,9 @@ speedup one would expect if cost were linear in tokens forwarded. ``fwd+bwd`` sp
 efficiency against that ideal: it can exceed 1 (dense also pays for padding - ``padded`` = B x (prompt width
 + completion width) / real tokens - and attends over the shared prefix once per row), and below 1 it
 measures the walk's overheads (many small forwards instead of one big one, the block-diagonal mask of packed
-sibling leaves and their attention over the shared prefix, one concatenation of the path's K/V per forward,
-per-segment backward calls, Python). For ``train s`` the
-ratio is diluted by everything the trie does not touch (generation, tool calls, optimizer, logging).
+sibling leaves and their attention over the shared prefix, per-segment backward calls, Python). For
+``train s`` the ratio is diluted by everything the trie does not touch (generation, tool calls, optimizer,
+logging).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trl_dta import PrefixTrie, TreeExecutor
+from trl_dta.causal_lm import _PathLayer
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
 
@@ -129,6 +130,30 @@ def test_cached_forward_equals_dense_forward():
         h1, kv = executor.lm.forward(ids[:, :4], 0, None)
         h2, _ = executor.lm.forward(ids[:, 4:], 4, [kv])
     torch.testing.assert_close(torch.cat([h1, h2], dim=1), full, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_path_kv_is_not_copied_per_forward(monkeypatch, pack):
+    """A one-row forward attends to a view of the walk's per-layer K/V buffer, not to a copy of the path's
+    K/V (the parity tests above show the gradients stay exact); rows of a padded batch get one joined copy."""
+    seen = []  # per attention call on a past: (rows, keys are a view of the layer's buffer)
+    update = _PathLayer.update
+
+    def spy(self, key_states, value_states, *args, **kwargs):
+        keys, values = update(self, key_states, value_states, *args, **kwargs)
+        if self.kv is not None and self.past_length:
+            buffer = self.kv.buffers[self.index][0].untyped_storage().data_ptr()
+            seen.append((key_states.shape[0], keys.untyped_storage().data_ptr() == buffer))
+        return keys, values
+
+    monkeypatch.setattr(_PathLayer, "update", spy)
+    seqs = [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 9, 13, 14], [5, 6, 7, 15, 16, 17], [5, 6, 7, 15, 18]]
+    executor = TreeExecutor(make_model(), block_size=3, batch_tokens=8, subtree_tokens=0, pack_leaves=pack)
+    executor.backward(PrefixTrie.from_sequences(seqs), lambda i, lp, e: lp.sum())
+    one_row = [in_buffer for rows, in_buffer in seen if rows == 1]
+    assert len(one_row) >= 10 and all(one_row)
+    assert all(not in_buffer for rows, in_buffer in seen if rows > 1)
+    assert pack or any(rows > 1 for rows, _ in seen)
 
 
 def test_probe_rejects_an_ignored_cache(monkeypatch):

@@ -37,6 +37,7 @@ from transformers.cache_utils import (
 )
 
 from . import model_checks
+from .path_kv import PathKV
 
 logger = logging.getLogger(__name__)
 
@@ -58,21 +59,26 @@ _KV = ("k", "v")
 
 
 class _PathLayer(DynamicLayer):
-    """One attention layer of the walk's cache: the path's K/V kept as the stack's pieces, joined with the new
-    tokens' K/V in a single concatenation when the layer runs (a pre-filled DynamicCache would copy the path
-    twice more: once to fill, once to append). Pieces kept in float32 for gradient accumulation are cast to
-    the new K/V's dtype in the same step."""
+    """One attention layer of the walk's cache: the path's K/V, either in the walk's per-layer buffer
+    (:class:`~trl_dta.path_kv.PathKV`: no copy of the past) or as per-segment pieces, joined with the new
+    tokens' K/V in a single concatenation (a pre-filled DynamicCache would copy the path twice more: once to
+    fill, once to append). Pieces kept in float32 for gradient accumulation are cast to the new K/V's dtype
+    in the same step."""
 
-    def __init__(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], past_length: int):
+    def __init__(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], past_length: int, kv=None, index=0):
         super().__init__()
         self.pieces = pieces
         self.past_length = past_length
+        self.kv, self.index = kv, index
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([k.to(key_states.dtype) for k, _ in self.pieces] + [key_states], dim=-2)
-        self.values = torch.cat([v.to(value_states.dtype) for _, v in self.pieces] + [value_states], dim=-2)
+        if self.kv is not None:
+            self.keys, self.values = self.kv.join(self.index, key_states, value_states, self.past_length)
+        else:
+            self.keys = torch.cat([k.to(key_states.dtype) for k, _ in self.pieces] + [key_states], dim=-2)
+            self.values = torch.cat([v.to(value_states.dtype) for _, v in self.pieces] + [value_states], -2)
         self.pieces = []
         self.past_length = self.keys.shape[-2]
         return self.keys, self.values
@@ -85,8 +91,8 @@ class _StatePathLayer(_PathLayer, LinearAttentionCacheLayerMixin):
     """A layer with conv / recurrent states (and K/V if it also attends): transformers' cache API for them is
     answered by :class:`_RecordingCache` itself, from the last segment's states."""
 
-    def __init__(self, pieces, past_length: int):
-        _PathLayer.__init__(self, pieces, past_length)
+    def __init__(self, pieces, past_length: int, kv=None, index=0):
+        _PathLayer.__init__(self, pieces, past_length, kv, index)
         LinearAttentionCacheLayerMixin.__init__(self)
         self.record_past = True  # keeps models off their in-place single-token conv update
 
@@ -107,7 +113,7 @@ class _RecordingCache(DynamicCache):
     States are handed to the model as fresh copies (autograd still reaches the segment they came from), so a
     model that updates a state it was given in place never touches the path's tensors."""
 
-    def __init__(self, path: Path | None, kinds: list[str], start: int):
+    def __init__(self, path: Path | None, kinds: list[str], start: int, kv=None):
         layers = []
         self.incoming: list[LayerCache] = []
         for i, kind in enumerate(kinds):
@@ -115,9 +121,9 @@ class _RecordingCache(DynamicCache):
             state = {k: t for k, t in path[-1][i].items() if k not in _KV} if path else {}
             self.incoming.append(state)
             if kind == "attention":
-                layers.append(_PathLayer(pieces, start))
+                layers.append(_PathLayer(pieces, start, kv, i))
             elif kind in ("state", "hybrid"):
-                layers.append(_StatePathLayer(pieces, start))
+                layers.append(_StatePathLayer(pieces, start, kv, i))
             else:
                 layers.append(DummyLayer())
         Cache.__init__(self, layers=layers)
@@ -369,13 +375,17 @@ class CausalLM:
         path: Path | None,
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        kv: PathKV | None = None,
     ) -> tuple[torch.Tensor, list[LayerCache]]:
         """Decode ``input_ids`` ([B, L], positions ``start..start+L-1`` unless ``positions`` are given) on
         top of ``path`` (the caches of the segments that cover positions ``0..start-1``, root first, each
         with B rows: see :meth:`expand`), causally, or with a 4-D additive ``attention_mask``
         [B, 1, L, start + L]. Returns hidden states [B, L, D] and what the forward leaves per layer (its K/V,
-        its final states: :data:`LayerCache`)."""
-        hidden, caches, _ = self._decode(input_ids, start, path, positions, attention_mask, False)
+        its final states: :data:`LayerCache`).
+
+        ``kv``: the path's K/V in the walk's buffers (:class:`~trl_dta.path_kv.PathKV`) instead of in
+        ``path``, which then holds only states; the new K/V are written there too (B = 1)."""
+        hidden, caches, _ = self._decode(input_ids, start, path, positions, attention_mask, False, kv)
         return hidden, caches
 
     def forward_routed(
@@ -385,15 +395,16 @@ class CausalLM:
         path: Path | None,
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        kv: PathKV | None = None,
     ) -> tuple[torch.Tensor, list[LayerCache], list[torch.Tensor]]:
         """:meth:`forward`, plus the MoE router logits of every router layer, each [B * L, num_experts]."""
         if not self.is_moe:
             raise ValueError(f"{type(self.base).__name__} has no MoE router.")
-        return self._decode(input_ids, start, path, positions, attention_mask, True)
+        return self._decode(input_ids, start, path, positions, attention_mask, True, kv)
 
-    def _decode(self, input_ids, start, path, positions, attention_mask, router_logits: bool):
+    def _decode(self, input_ids, start, path, positions, attention_mask, router_logits: bool, kv=None):
         batch, length = input_ids.shape
-        cache = _RecordingCache(path, self.layer_kinds, start)
+        cache = _RecordingCache(path, self.layer_kinds, start, kv)
         if positions is None:
             positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
         extra = {} if attention_mask is None else {"attention_mask": attention_mask}

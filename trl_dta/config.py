@@ -15,7 +15,11 @@ class TreePPOConfig(GRPOConfig):
         tree_block_size (`int`, defaults to 2048):
             Most tokens forwarded with an autograd graph kept on the walk's stack, and longest forwarded
             segment. Longer paths use chunked backward (blocks forwarded without a graph are recomputed
-            when popped). Larger is faster and uses more activation memory.
+            when popped). The walk's memory knob: at its peak the walk keeps the graph of up to about twice
+            this many tokens (the stack's, plus a block recomputed at pop or a leaf batch of up to
+            `tree_batch_tokens`), each costing one token's activations (~2.2 MB for SmolLM2-135M in fp32,
+            ~32x what gradient checkpointing keeps per token). Larger is faster on paths longer than it;
+            README "Memory" has measurements.
         tree_batch_tokens (`int` or `None`, defaults to `None`):
             Budget for forwarding sibling leaves together on their shared prefix: their total tokens (they
             are packed into one row with a block-diagonal causal mask on eager/sdpa attention), or rows x

@@ -1,11 +1,12 @@
 """The tree executor: forward and backward of every sequence of a prefix trie, each shared prefix once.
 
 The walk follows the plan of :mod:`trl_dta.plan`. A stack holds the segments of the current root-to-node
-path; for each one it keeps what the segment left in every layer's cache (its K/V; for the state layers of
-hybrid and state-space models, its final conv / recurrent states), its last hidden state (to score its
-children's first tokens) and its tokens' log-probs. Descendants read these through *handles*: detached
-copies with ``requires_grad=True`` (autograd leaves; "leaf" alone always means a trie leaf here), so
-whatever gradient a descendant sends into them accumulates in their ``.grad``:
+path; for each one it keeps what the segment left in every layer's cache (for the state layers of hybrid and
+state-space models, its final conv / recurrent states), its last hidden state (to score its children's first
+tokens) and its tokens' log-probs. Descendants read these through *handles*: detached copies with
+``requires_grad=True`` (autograd leaves; "leaf" alone always means a trie leaf here), so whatever gradient a
+descendant sends into them accumulates in their ``.grad``. The path's K/V live in one buffer per attention
+layer (:class:`~trl_dta.path_kv.PathKV`), with a gradient buffer beside it that plays the same role:
 
 * ``Push``: forward the segment on the stack's caches (every segment's K/V, the top segment's states); keep
   the autograd graph, or (chunked backward) forward without one and recompute it at pop.
@@ -13,8 +14,9 @@ whatever gradient a descendant sends into them accumulates in their ``.grad``:
   right-padded where the attention backend takes no custom mask), compute each finished sequence's loss
   from the log-probs along its path and backpropagate at once: into the parameters, and into the handles of
   every segment on the stack.
-* ``Pop``: backpropagate the segment's outputs with the gradients collected in their handles, which
-  continues into the parameters and into the handles of the segments below it; then free it.
+* ``Pop``: backpropagate the segment's outputs with the gradients collected in their handles (and, for its
+  K/V, at its positions of the gradient buffer), which continues into the parameters and into the handles
+  of the segments below it; then free it.
 
 State models never forward a single token on a carried state (decode kernels may compute something else,
 or have no backward): such a one-token segment is *pending*, and its children forward its token again.
@@ -36,6 +38,7 @@ from torch import nn
 
 from .causal_lm import CausalLM, LayerCache
 from .model_checks import packed_inputs
+from .path_kv import PathKV
 from .plan import Leaves, Pop, Push, Segment, build_plan
 from .router_loss import RouterGrad, RouterStats, router_term
 from .scoring import first_scored, path_scores, score_rows
@@ -57,10 +60,12 @@ def _handle(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _outputs(caches, last_hidden, logps, entropies) -> list[torch.Tensor | None]:
-    """A segment's outputs that descendants read, flattened in one fixed order (each layer's cache tensors by
-    name, last hidden state, log-probs, entropies): the order :meth:`_Frame.outputs` and
-    :meth:`_Frame.handles` share."""
-    return [layer[k] for layer in caches for k in sorted(layer)] + [last_hidden, logps, entropies]
+    """A segment's outputs that descendants read through handles, flattened in one fixed order (each layer's
+    states by name, last hidden state, log-probs, entropies): the order :meth:`_Frame.outputs` and
+    :meth:`_Frame.handles` share. K/V are read (and their gradients collected) in the walk's
+    :class:`~trl_dta.path_kv.PathKV` instead."""
+    states = [layer[k] for layer in caches for k in sorted(layer) if k not in ("k", "v")]
+    return states + [last_hidden, logps, entropies]
 
 
 @dataclass
@@ -73,11 +78,12 @@ class _Frame:
     last_hidden: torch.Tensor  # [1, 1, D]
     logps: torch.Tensor  # [n scored tokens]
     entropies: torch.Tensor | None
-    caches_in: list[LayerCache]  # handles of the above
+    caches_in: list[LayerCache]  # handles of the above's states (K/V: in the walk's PathKV)
     last_hidden_in: torch.Tensor
     logps_in: torch.Tensor
     entropies_in: torch.Tensor | None
     lp_from: int  # log-prob index of logps[0]: the segment scores lp indices [lp_from, segment.end - 1)
+    kv_from: int  # cache position of its forward's first token (its K/V: [kv_from, segment.end))
     router_term: torch.Tensor | None = None  # MoE: the segment's <v, softmax(router logits)> sum, with graph
     # state models: a one-token segment is not forwarded on its own (see TreeExecutor._compute_segment); its
     # token ids, forwarded at the head of each child's forward instead. No caches, no last hidden state.
@@ -219,11 +225,11 @@ class TreeExecutor:
         stack: list[_Frame] = []
         self._router, self._scoring = router, score
         self._seq_from, self._node_from = first_scored(trie, score_from)
+        plan = build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves, self.subtree_tokens)
+        self._kv = PathKV(self._capacity(plan))
         try:
             with self.lm.no_gradient_checkpointing():
-                for step in build_plan(
-                    trie, self.block_size, self.batch_tokens, self.pack_leaves, self.subtree_tokens
-                ):
+                for step in plan:
                     if isinstance(step, Push):
                         with_graph = grad and step.keep_graph
                         frame = self._push(trie, step.segment, stack, temperature, entropies, with_graph)
@@ -242,7 +248,19 @@ class TreeExecutor:
                         if grad:
                             self._pop(trie, frame, step.keep_graph, stack, temperature, entropies)
         finally:
-            self._router, self._scoring = None, True
+            self._router, self._scoring, self._kv = None, True, None
+
+    def _capacity(self, plan) -> int:
+        """The most cache positions a forward of ``plan`` reaches (its start + its row's tokens)."""
+        end = 0
+        for step in plan:
+            if isinstance(step, Push):
+                end = max(end, step.segment.end)
+            elif isinstance(step, Leaves):
+                lengths = [s.num_tokens for s in step.segments]
+                row = sum(lengths) if len(lengths) > 1 and self.pack_leaves else max(lengths)
+                end = max(end, step.segments[0].start + max(row, 2))  # (padded: at least 2 wide)
+        return end
 
     def _from(self, node: TrieNode) -> int:
         return 0 if self._node_from is None else self._node_from[node]
@@ -254,8 +272,8 @@ class TreeExecutor:
             torch.stack(losses).sum().backward()
 
     def _past(self, stack: list[_Frame], rows: int):
-        """The stack's caches, expanded to ``rows`` rows (no copy): the model attends to every segment's K/V
-        (joined with the new tokens' K/V in one concatenation) and starts from the top segment's states."""
+        """The stack's states, expanded to ``rows`` rows (no copy): the model starts from the top segment's
+        states (and attends to the path's K/V in the walk's :class:`~trl_dta.path_kv.PathKV`)."""
         path = [f.caches_in for f in stack if f.pending is None]
         return self.lm.expand(path, rows) if path else None
 
@@ -283,8 +301,8 @@ class TreeExecutor:
         the walk reads router logits) each router layer's logits [B * L, E]."""
         past = self._past(stack, ids.shape[0])
         if self._router is None:
-            return (*self.lm.forward(ids, start, past, positions, attention_mask), None)
-        return self.lm.forward_routed(ids, start, past, positions, attention_mask)
+            return (*self.lm.forward(ids, start, past, positions, attention_mask, kv=self._kv), None)
+        return self.lm.forward_routed(ids, start, past, positions, attention_mask, kv=self._kv)
 
     def _route(self, node: TrieNode, routers: list[torch.Tensor] | None) -> torch.Tensor | None:
         """MoE: fold one row's router logits (per router layer [L, E]) for ``node`` into the walk's router
@@ -347,17 +365,20 @@ class TreeExecutor:
         return [], None, lps[0], (ents[0] if entropies else None), None, firsts[0], ids
 
     def _push(self, trie, segment, stack, temperature, entropies, with_graph) -> _Frame:
+        top = self._pending(stack)
+        kv_from = segment.start - (0 if top is None else top.pending.numel())
         with torch.set_grad_enabled(with_graph):
             caches, last_hidden, lp, ent, router_term, lp_from, pending = self._compute_segment(
                 trie, segment, stack, temperature, entropies
             )
         return _Frame(
             segment, caches, last_hidden, lp, ent,
-            caches_in=[{k: _handle(t) for k, t in layer.items()} for layer in caches],
+            caches_in=[{k: _handle(t) for k, t in layer.items() if k not in ("k", "v")} for layer in caches],
             last_hidden_in=_handle(last_hidden),
             logps_in=_handle(lp),
             entropies_in=_handle(ent),
             lp_from=lp_from,
+            kv_from=kv_from,
             router_term=router_term if with_graph else None,
             pending=pending,
         )  # fmt: skip
@@ -443,8 +464,15 @@ class TreeExecutor:
         handles = frame.handles()
         router_term = frame.router_term
         has_router = router_term is not None or (not kept_graph and self._router is not None)
-        if not has_router and not any(h is not None and h.grad is not None for h in handles):
+        has_kv = frame.pending is None and self._kv.has_grad(frame.kv_from)
+        if not has_router and not has_kv and not any(h is not None and h.grad is not None for h in handles):
             return
+        # the K/V gradients its descendants sent, per attention layer (taken, and cleared for the segments
+        # that will take these positions next)
+        kv_layers = [i for i, layer in enumerate(frame.caches) if "k" in layer] if has_kv else []
+        kv_grads = [self._kv.take_grad(i, frame.kv_from, frame.segment.end) for i in kv_layers]
+        self._kv.popped(frame.kv_from)
+        caches = frame.caches
         if kept_graph:
             outputs = frame.outputs()
         else:  # chunked backward: recompute the segment, this time with a graph
@@ -453,10 +481,13 @@ class TreeExecutor:
             )
             outputs = _outputs(caches, last_hidden, lp, ent)
         outs, grads = [], []
-        for out, handle in zip(outputs, handles, strict=True):
-            if handle is not None and handle.grad is not None and out.requires_grad:
+        pairs = [(out, None if h is None else h.grad) for out, h in zip(outputs, handles, strict=True)]
+        for i, (grad_k, grad_v) in zip(kv_layers, kv_grads, strict=True):
+            pairs += [(caches[i]["k"], grad_k), (caches[i]["v"], grad_v)]
+        for out, grad in pairs:
+            if grad is not None and out.requires_grad:
                 outs.append(out)
-                grads.append(handle.grad.to(out.dtype))
+                grads.append(grad.to(out.dtype))
         if router_term is not None and router_term.requires_grad:
             outs.append(router_term)
             grads.append(torch.ones_like(router_term))
