@@ -72,14 +72,17 @@ class PathKV:
             shape = (1, keys.shape[1], self.capacity, keys.shape[-1])
             self.buffers[layer] = [keys.new_zeros(shape), values.new_zeros(*shape[:-1], values.shape[-1])]
             self.writers[layer] = [b.data for b in self.buffers[layer]]  # own version counters
-            dtype = torch.promote_types(keys.dtype, torch.float32)  # float32, or float64 for a float64 model
-            self.grads[layer] = [torch.zeros_like(b, dtype=dtype) for b in self.buffers[layer]]
-        if torch.is_grad_enabled() and start:
+        grads = [None, None]
+        if torch.is_grad_enabled():  # (no-grad walks never need them)
+            if layer not in self.grads:
+                dtype = torch.promote_types(keys.dtype, torch.float32)  # float64 for float64 models
+                self.grads[layer] = [torch.zeros_like(b, dtype=dtype) for b in self.buffers[layer]]
+            grads = self.grads[layer]
             self.dirty = max(self.dirty, start)
         return tuple(
             _Join.apply(new, buffer, writer, grad, start)
             for new, buffer, writer, grad in zip(
-                (keys, values), self.buffers[layer], self.writers[layer], self.grads[layer], strict=True
+                (keys, values), self.buffers[layer], self.writers[layer], grads, strict=True
             )
         )
 
