@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.causal_lm import _PathLayer
+from trl_dta.path_kv import PathKV
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
 
@@ -154,6 +155,16 @@ def test_path_kv_is_not_copied_per_forward(monkeypatch, pack):
     assert len(one_row) >= 10 and all(one_row)
     assert all(not in_buffer for rows, in_buffer in seen if rows > 1)
     assert pack or any(rows > 1 for rows, _ in seen)
+
+
+def test_path_kv_layer_run_only_without_gradients():
+    """A cache layer a model only runs under no_grad (HRM's inner cycles use their own cache slots) has no
+    gradient buffer: popping its segment takes no K/V gradient for it, and does not fail."""
+    kv = PathKV(capacity=4)
+    keys = torch.randn(1, 2, 3, 8)
+    with torch.no_grad():
+        kv.join(0, keys, keys, 0)
+    assert kv.take_grad(0, 0, 3) == [None, None] and not kv.has_grad(0)
 
 
 def test_probe_rejects_an_ignored_cache(monkeypatch):

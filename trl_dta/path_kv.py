@@ -86,9 +86,11 @@ class PathKV:
             )
         )
 
-    def take_grad(self, layer: int, begin: int, end: int) -> list[torch.Tensor]:
+    def take_grad(self, layer: int, begin: int, end: int) -> list[torch.Tensor | None]:
         """The gradients collected so far for positions ``[begin, end)`` of ``layer``'s K and V (copies), and
-        clear them there."""
+        clear them there; None for a layer that never ran with gradients (e.g. a model's no-grad cycles)."""
+        if layer not in self.grads:
+            return [None, None]
         taken = []
         for grad in self.grads[layer]:
             taken.append(grad[..., begin:end, :].clone())
