@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
 import common
 
 from trl_dta import PrefixTrie, TreeExecutor
-from trl_dta.memory import SavedTensorMeter
+from trl_dta.testing.memory import SavedTensorMeter
 
 VOCAB = 32_000
 # Shapes: one system prompt + tool schemas shared by all rollouts; per task a prompt shared by its group;

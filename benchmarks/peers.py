@@ -72,7 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
 import common  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
-from trl_dta.memory import SavedTensorMeter  # noqa: E402
+from trl_dta.testing.memory import SavedTensorMeter  # noqa: E402
 
 METHODS = ["dense", "dense_ckpt", "pg", "pg_lmhead", "tree_mask", "tree"]
 LABELS = {
@@ -614,10 +614,10 @@ def trainer_breakdown(steps: int, quick: bool) -> dict:
     log-prob pass inside it), that pass, the walk (forward + backward of the loss), the optimizer, the
     rest."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from grpo_setup import ScriptedGenerationMixin, make_config, make_trainer, tiny_model
     from transformers import TrainerCallback
 
     from trl_dta import TreePPOConfig, TreePPOTrainer
+    from trl_dta.testing.grpo import ScriptedGenerationMixin, make_config, make_trainer, tiny_model
 
     times: dict[str, list[float]] = {
         k: [] for k in ("step", "generate", "logprob", "walk", "train_step", "optimizer")

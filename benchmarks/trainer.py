@@ -70,11 +70,11 @@ import trl
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's trl_dta
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # the offline GRPO fixture
-from grpo_setup import ScriptedGenerationMixin, make_config, make_trainer, tiny_model  # noqa: E402
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_dta import TreePPOConfig, TreePPOTrainer  # noqa: E402
+from trl_dta.testing.grpo import ScriptedGenerationMixin, make_config, make_trainer, tiny_model  # noqa: E402
 
 CASES = {  # name: (per_device_train_batch_size, gradient_accumulation_steps, prompts, tools)
     "tau2-ga1": (8, 1, 2, True),
@@ -133,7 +133,8 @@ TRAINERS = {  # name: (trainer class, config class, gradient checkpointing)
 
 def long_prompt_dataset(num_prompts, words):
     from datasets import Dataset
-    from grpo_setup import _WORDS, SYSTEM_PROMPT, _user_message
+
+    from trl_dta.testing.grpo import _WORDS, SYSTEM_PROMPT, _user_message
 
     filler = " ".join(_WORDS[j % len(_WORDS)] for j in range(words))
     prompts = [[{"role": "system", "content": SYSTEM_PROMPT + " " + filler},

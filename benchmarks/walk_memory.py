@@ -47,7 +47,7 @@ def measure(run: str, threads: int) -> dict:
 
     sys.path.insert(0, ROOT)
     from trl_dta import PrefixTrie, TreeExecutor
-    from trl_dta.memory import SavedTensorMeter
+    from trl_dta.testing.memory import SavedTensorMeter
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

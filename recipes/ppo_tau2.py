@@ -55,9 +55,10 @@ _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "trl_dta").is_dir() and str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
+from recipe_utils.offline_model import OFFLINE_SMOLLM2  # noqa: E402 (this folder is sys.path[0])
+
 from trl_dta import TreePPOConfig  # noqa: E402 (cheap: the trainer module loads on first use)
 from trl_dta.envs.tau2.domain import UNSUPPORTED_DOMAINS  # noqa: E402 (cheap: does not import tau2)
-from trl_dta.offline_model import OFFLINE_SMOLLM2  # noqa: E402
 
 logger = logging.getLogger("ppo_tau2")
 
@@ -168,13 +169,13 @@ def setup_logging(training_args: TreePPOConfig) -> None:
 
 
 def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args: ModelConfig) -> dict:
+    from recipe_utils.offline_model import resolve_model_name
+    from recipe_utils.plotting import plot_rewards
+    from recipe_utils.rewards import reward_functions
     from trl import GRPOTrainer
 
     from trl_dta import TreePPOTrainer
     from trl_dta.envs import LLMUser, Tau2Environment, load_tau2_dataset
-    from trl_dta.offline_model import resolve_model_name
-    from trl_dta.plotting import plot_rewards
-    from trl_dta.rewards import reward_functions
 
     setup_logging(training_args)
     started = time.perf_counter()

@@ -109,7 +109,7 @@ def fp64_exact():
 def model_dir(tmp_path_factory):
     """The trainer tests' tiny Qwen3 (tests/grpo_setup.py) saved once: trainers, TRL's reference model (for
     beta > 0) and subprocess workers load it by path."""
-    from grpo_setup import tiny_model
+    from trl_dta.testing.grpo import tiny_model
 
     path = tmp_path_factory.mktemp("tiny_qwen3")
     tiny_model(seed=0).save_pretrained(path)

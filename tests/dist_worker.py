@@ -12,10 +12,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from grpo_setup import GradRecorder, ScriptedGenerationMixin, make_config, make_trainer  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from trl_dta import TreePPOConfig, TreePPOTrainer  # noqa: E402
+from trl_dta.testing.grpo import GradRecorder, ScriptedGenerationMixin, make_config, make_trainer  # noqa: E402
 
 BATCH = dict(
     per_device_train_batch_size=8, num_generations=4, learning_rate=2.0, num_iterations=2, max_steps=2
@@ -25,7 +25,8 @@ BATCH = dict(
 def unequal_dataset(num_prompts=4):
     """Prompts of very different lengths, so that a balanced DFS split gives ranks unequal row counts."""
     from datasets import Dataset
-    from grpo_setup import SYSTEM_PROMPT, _user_message
+
+    from trl_dta.testing.grpo import SYSTEM_PROMPT, _user_message
 
     prompts = []
     for i in range(num_prompts):

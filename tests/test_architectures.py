@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import arch_sweep
 
 from trl_dta import PrefixTrie, TreeExecutor
-from trl_dta.causal_lm import CausalLM
+from trl_dta.walk.model import CausalLM
 
 # case -> (verdict, what happens to sequences longer than the window, sibling leaves packed, reason)
 EXACT, WINDOWED, PADDED, REFUSED = "exact", "refused", False, "refused"
@@ -97,7 +97,7 @@ def test_probe_does_not_refuse_fp64_eager_for_hf_fp32_casts():
 
 
 def test_packing_fallback_is_logged(caplog):
-    with caplog.at_level(logging.INFO, logger="trl_dta.model_checks"):
+    with caplog.at_level(logging.INFO, logger="trl_dta.walk.probe"):
         TreeExecutor(arch_sweep.build("mpt", torch.float32, "eager"))
     assert "padded batch" in caplog.text
 
@@ -107,7 +107,7 @@ def test_gradient_checkpointing_warning_once(caplog):
     model.gradient_checkpointing_enable()
     executor = TreeExecutor(model)
     trie = PrefixTrie.from_sequences([[3, 4, 5], [3, 4, 6, 7]])
-    with caplog.at_level(logging.WARNING, logger="trl_dta.causal_lm"):
+    with caplog.at_level(logging.WARNING, logger="trl_dta.walk.model"):
         for _ in range(3):
             executor.backward(trie, lambda i, lp, ent: lp.sum())
     assert sum("Gradient checkpointing is on" in r.message for r in caplog.records) == 1

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trl_dta import PrefixTrie, TreeExecutor
-from trl_dta.causal_lm import _PathLayer
-from trl_dta.path_kv import PathKV
+from trl_dta.walk.cache import PathLayer
+from trl_dta.walk.path_kv import PathKV
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
 
@@ -128,8 +128,9 @@ def test_cached_forward_equals_dense_forward():
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
     with torch.no_grad():
         full = model.model(input_ids=ids).last_hidden_state
-        h1, kv = executor.lm.forward(ids[:, :4], 0, None)
-        h2, _ = executor.lm.forward(ids[:, 4:], 4, [kv])
+        kv = PathKV(capacity=ids.shape[1])  # the path's K/V, as the walk keeps them
+        h1, _, _ = executor.lm.forward(ids[:, :4], 0, kv)
+        h2, _, _ = executor.lm.forward(ids[:, 4:], 4, kv)
     torch.testing.assert_close(torch.cat([h1, h2], dim=1), full, rtol=0, atol=1e-12)
 
 
@@ -138,16 +139,16 @@ def test_path_kv_is_not_copied_per_forward(monkeypatch, pack):
     """A one-row forward attends to a view of the walk's per-layer K/V buffer, not to a copy of the path's
     K/V (the parity tests above show the gradients stay exact); rows of a padded batch get one joined copy."""
     seen = []  # per attention call on a past: (rows, keys are a view of the layer's buffer)
-    update = _PathLayer.update
+    update = PathLayer.update
 
     def spy(self, key_states, value_states, *args, **kwargs):
         keys, values = update(self, key_states, value_states, *args, **kwargs)
-        if self.kv is not None and self.past_length:
+        if self.past_length:
             buffer = self.kv.buffers[self.index][0].untyped_storage().data_ptr()
             seen.append((key_states.shape[0], keys.untyped_storage().data_ptr() == buffer))
         return keys, values
 
-    monkeypatch.setattr(_PathLayer, "update", spy)
+    monkeypatch.setattr(PathLayer, "update", spy)
     seqs = [[5, 6, 7, 8, 9, 10, 11, 12], [5, 6, 7, 8, 9, 13, 14], [5, 6, 7, 15, 16, 17], [5, 6, 7, 15, 18]]
     executor = TreeExecutor(make_model(), block_size=3, batch_tokens=8, subtree_tokens=0, pack_leaves=pack)
     executor.backward(PrefixTrie.from_sequences(seqs), lambda i, lp, e: lp.sum())
@@ -169,7 +170,7 @@ def test_path_kv_layer_run_only_without_gradients():
 
 def test_probe_rejects_an_ignored_cache(monkeypatch):
     """A model that swallows the cache keyword (as transformers 5.17 does with `cache=`) is refused."""
-    from trl_dta.causal_lm import CausalLM
+    from trl_dta.walk.model import CausalLM
 
     model = make_model("qwen3", "sdpa")
     monkeypatch.setattr(CausalLM, "_cache_keyword", lambda self: "unused_cache_keyword")

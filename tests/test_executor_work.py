@@ -8,7 +8,7 @@ import torch
 from conftest import make_model
 
 from trl_dta import PrefixTrie, TreeExecutor
-from trl_dta.memory import SavedTensorMeter
+from trl_dta.testing.memory import SavedTensorMeter
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
 

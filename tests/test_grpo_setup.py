@@ -4,7 +4,8 @@ the prompt and the whole first tool-call turn, recorded gradients, and bit-ident
 from __future__ import annotations
 
 import torch
-from grpo_setup import (
+
+from trl_dta.testing.grpo import (
     GradRecorder,
     ScriptedGRPOTrainer,
     cancel_order,

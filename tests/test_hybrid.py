@@ -133,18 +133,18 @@ def test_backward_and_logprobs_match_dense(family, seqs, block_size, batch_token
 def test_one_token_nodes_are_forwarded_with_their_children(family, block_size, monkeypatch):
     """One-token trie nodes (shared first answer token, a sequence ending there) on a carried state: never
     forwarded alone (the model's decode kernels may differ), exact."""
-    from trl_dta.causal_lm import CausalLM
+    from trl_dta.walk.model import CausalLM
 
     model = cached(family)
     seqs = ONE_TOKEN_NODES
     lengths = []
-    forward = CausalLM._decode
+    forward = CausalLM.forward
 
-    def spy(self, input_ids, start, path, *args):
-        lengths.append((input_ids.shape[1], bool(path)))
-        return forward(self, input_ids, start, path, *args)
+    def spy(self, input_ids, start, kv, states=None, *args, **kwargs):
+        lengths.append((input_ids.shape[1], bool(states)))
+        return forward(self, input_ids, start, kv, states, *args, **kwargs)
 
-    monkeypatch.setattr(CausalLM, "_decode", spy)
+    monkeypatch.setattr(CausalLM, "forward", spy)
     loss_fn = loss_fn_for(seqs, use_entropy=True)
     ref, _ = dense_grads(model, seqs, loss_fn)
     executor = TreeExecutor(model, block_size=block_size, batch_tokens=0)
@@ -185,7 +185,7 @@ def test_state_not_carried_is_refused():
 
 
 def test_unknown_state_layer_kind_is_refused():
-    from trl_dta.model_checks import check_stateful_layers
+    from trl_dta.walk.checks import check_stateful_layers
 
     config = SimpleNamespace(num_hidden_layers=2, layer_types=["rwkv", "full_attention"])
     with pytest.raises(ValueError, match="rwkv"):
@@ -201,8 +201,9 @@ def test_trainer_gradients_equal_stock_trl_on_qwen3_5(tmp_path, monkeypatch, acc
     attention tests' 2.0: with a third of the tokens clipped at step 2, that rounding flips clip decisions
     (seen 9e-4 at lr 0.5, 7e-5 at lr 0.1)."""
     import test_trainer
-    from grpo_setup import tiny_tokenizer
     from test_trainer import MOVING, assert_same_gradients
+
+    from trl_dta.testing.grpo import tiny_tokenizer
 
     monkeypatch.setattr(test_trainer, "TOL", 3e-4)
 

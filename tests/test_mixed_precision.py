@@ -19,11 +19,11 @@ import pytest
 import torch
 import yaml
 from conftest import max_rel_diff
-from grpo_setup import GradRecorder, ScriptedGRPOTrainer, make_config, make_trainer, tiny_model
 from test_trainer import TreeScripted
 from trl import GRPOConfig
 
 from trl_dta import TreePPOConfig
+from trl_dta.testing.grpo import GradRecorder, ScriptedGRPOTrainer, make_config, make_trainer, tiny_model
 
 MARGIN = 1.5
 STEPS = dict(learning_rate=0.01, max_steps=2, num_iterations=2, beta=0.04)

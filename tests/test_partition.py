@@ -1,5 +1,5 @@
 """lexicographic_partition: contiguous in the lexicographic order, covers every index once, optimal max cost
-(brute force); any sequence length; the deprecated dfs_* names."""
+(brute force); any sequence length."""
 
 from __future__ import annotations
 
@@ -9,14 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import trl_dta
 from trl_dta import PrefixTrie
-from trl_dta.partition import (
-    DFSPartitionSampler,
-    LexicographicPartitionSampler,
-    dfs_partition,
-    lexicographic_partition,
-)
+from trl_dta.partition import LexicographicPartitionSampler, lexicographic_partition
 
 sequences = st.lists(st.lists(st.integers(0, 3), min_size=2, max_size=9), min_size=1, max_size=12)
 any_length = st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=6), min_size=0, max_size=10)
@@ -106,14 +100,3 @@ def test_sampler_yields_this_ranks_part():
         LexicographicPartitionSampler(seqs, num_replicas=3, rank=3)
     with pytest.raises(ValueError, match="num_parts"):
         lexicographic_partition(seqs, 0)
-
-
-def test_deprecated_names_still_work_and_warn():
-    seqs = [[1, 2, 3, k, k] for k in range(10)]
-    with pytest.deprecated_call(match="lexicographic_partition"):
-        assert dfs_partition(seqs, 3) == lexicographic_partition(seqs, 3)
-    with pytest.deprecated_call(match="LexicographicPartitionSampler"):
-        sampler = DFSPartitionSampler(seqs, num_replicas=3, rank=1)
-    assert isinstance(sampler, LexicographicPartitionSampler)
-    assert list(sampler) == lexicographic_partition(seqs, 3)[1]
-    assert trl_dta.dfs_partition is dfs_partition and trl_dta.DFSPartitionSampler is DFSPartitionSampler

@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_dta.plan import Leaves, Pop, Push, build_plan
-from trl_dta.scoring import path_scores, score_rows
 from trl_dta.trie import PrefixTrie
+from trl_dta.walk.plan import PackedSubtree, Pop, Push, SiblingLeaves, build_plan
+from trl_dta.walk.scoring import path_scores, score_rows
 
 _seq = st.lists(st.integers(0, 2), min_size=2, max_size=30)
 
@@ -30,7 +30,11 @@ def covered(plan):
     seen = {}
     for step in plan:
         segments = (
-            [step.segment] if isinstance(step, Push) else step.segments if isinstance(step, Leaves) else []
+            [step.segment]
+            if isinstance(step, Push)
+            else step.segments
+            if isinstance(step, SiblingLeaves | PackedSubtree)
+            else []
         )
         for s in segments:
             seen.setdefault(s.node, []).append((s.start, s.end))
@@ -55,7 +59,9 @@ def test_packed_subtrees_cover_every_node_once_and_respect_the_limit(seqs, block
             stack.append(step.segment)
         elif isinstance(step, Pop):
             assert stack.pop() == step.segment
-        elif step.parents:  # a packed subtree: one whole subtree under the stack's top, within the limit
+        elif isinstance(
+            step, PackedSubtree
+        ):  # a packed subtree: one whole subtree under the stack's top, within the limit
             top = stack[-1].node if stack else trie.root
             root = step.segments[0].node
             assert step.parents[0] == -1 and root.parent is top and not root.is_leaf
@@ -76,7 +82,7 @@ def test_no_packed_subtree_unless_asked_and_packed(seqs, block):
     assert build_plan(trie, block, block, packed=False, subtree_tokens=10**6) == build_plan(
         trie, block, block
     )
-    assert not any(isinstance(s, Leaves) and s.parents for s in plain)
+    assert not any(isinstance(s, PackedSubtree) for s in plain)
 
 
 def shape(plan):
@@ -91,8 +97,8 @@ def test_tau2_like_plan():
     # a limit of one group (6 + 2 + 3 + 4 tokens): each group one step, the shared 2-token node pushed
     one_group = build_plan(trie, 1000, 1000, packed=True, subtree_tokens=15)
     assert shape(one_group) == [
-        ("Push", []), ("Push", []), ("Leaves", [4, 2, 3, 4]), ("Leaves", [4, 2, 3, 4]), ("Pop", []),
-        ("Leaves", [6, 2, 3, 4]), ("Pop", []),
+        ("Push", []), ("Push", []), ("PackedSubtree", [4, 2, 3, 4]), ("PackedSubtree", [4, 2, 3, 4]),
+        ("Pop", []), ("PackedSubtree", [6, 2, 3, 4]), ("Pop", []),
     ]  # fmt: skip
     # the whole trie in one step
     whole = build_plan(trie, 1000, 1000, packed=True, subtree_tokens=1000)

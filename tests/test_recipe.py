@@ -1,6 +1,6 @@
-"""The τ² recipe (recipes/ppo_tau2.py) and its library pieces: the parser and configs, startup refusals, the
-offline SmolLM2 (trl_dta.offline_model), the reward plot (trl_dta.plotting), the named rewards, and one real
-training step run as a subprocess on a tiny model (no Hub, no GGUF needed)."""
+"""The τ² recipe (recipes/ppo_tau2.py) and its helpers (recipes/recipe_utils/): the parser and configs,
+startup refusals, the offline SmolLM2, the reward plot, the named rewards, and one real training step run as
+a subprocess on a tiny model (no Hub, no GGUF needed)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from trl_dta import offline_model
-from trl_dta.plotting import plot_rewards
-from trl_dta.rewards import reward_functions, tool_call_format
+from recipe_utils import offline_model
+from recipe_utils.plotting import plot_rewards
+from recipe_utils.rewards import reward_functions, tool_call_format
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "ppo_tau2.py"
@@ -160,7 +159,7 @@ def _check_tool_template(tokenizer):
 
 
 def test_set_tool_chat_template_on_a_chatml_tokenizer():
-    from grpo_setup import tiny_tokenizer
+    from trl_dta.testing.grpo import tiny_tokenizer
 
     tok = copy.deepcopy(tiny_tokenizer())
     tok.chat_template = None
@@ -262,7 +261,7 @@ def tiny_model_dir(tmp_path_factory):
     on tau2's mock domain (see _prime), saved like a Hub checkpoint: the recipe loads it by path
     (`--model_name_or_path DIR`), as it would any Hub model."""
     pytest.importorskip("tau2")
-    from grpo_setup import tiny_model, tiny_tokenizer
+    from trl_dta.testing.grpo import tiny_model, tiny_tokenizer
 
     folder = tmp_path_factory.mktemp("tiny_model")
     tok = copy.deepcopy(tiny_tokenizer())

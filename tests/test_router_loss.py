@@ -15,7 +15,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 from trl_dta import PrefixTrie, TreeExecutor
-from trl_dta.router_loss import load_balancing_loss, node_weights
+from trl_dta.train.load_balancing import load_balancing_loss, node_weights
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
 
@@ -111,8 +111,9 @@ def test_router_stats_refused_for_a_dense_model():
 # ------------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from grpo_setup import tiny_tokenizer
     from transformers import Qwen3MoeForCausalLM
+
+    from trl_dta.testing.grpo import tiny_tokenizer
 
     tok = tiny_tokenizer()
     config = Qwen3MoeConfig(

@@ -426,9 +426,8 @@ class _Tau2Script:
 
 
 def test_one_tree_ppo_step_with_the_environment(tmp_path):
-    from grpo_setup import make_config, tiny_model, tiny_tokenizer
-
     from trl_dta import TreePPOConfig, TreePPOTrainer
+    from trl_dta.testing.grpo import make_config, tiny_model, tiny_tokenizer
 
     tok = tiny_tokenizer()
     dataset = load_tau2_dataset(split="train", policy=False).filter(lambda r: r["task_id"] == EXCHANGE_TASK)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import max_rel_diff
-from grpo_setup import (
+from trl import GRPOConfig
+
+from trl_dta import PrefixTrie, TreePPOConfig, TreePPOTrainer
+from trl_dta.testing.grpo import (
     GradRecorder,
     ScriptedGenerationMixin,
     ScriptedGRPOTrainer,
@@ -14,11 +17,8 @@ from grpo_setup import (
     make_trainer,
     tiny_model,
 )
-from trl import GRPOConfig
-
-from trl_dta import PrefixTrie, TreePPOConfig, TreePPOTrainer
-from trl_dta.losses import LOSS_TYPES
-from trl_dta.rows import batch_rows
+from trl_dta.train.losses import LOSS_TYPES
+from trl_dta.train.rows import batch_rows
 
 TreeScripted = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
 TOL = 1e-4  # per tensor max|diff| / max|reference|, fp32

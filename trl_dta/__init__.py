@@ -1,6 +1,12 @@
 """trl-dta: RL post-training of LLMs on a prefix trie of rollouts, every shared prefix computed once.
 
-Importing the package is cheap: the public names load their modules on first use (the ``TYPE_CHECKING``
+The package follows the data: rollouts become a :class:`PrefixTrie` (``trie.py``), a step's sequences are cut
+into contiguous runs across data-parallel ranks (``partition.py``), :class:`TreeExecutor` walks a trie through
+a causal LM (``walk/``, which knows nothing of TRL), and :class:`TreePPOTrainer` plugs the walk into TRL's
+``GRPOTrainer`` (``train/``, which knows nothing of KV caches). ``envs/`` holds environments for TRL's
+``environment_factory``; ``testing/`` the tiny offline fixtures the tests and benchmarks share.
+
+Importing the package is cheap: each public name loads its module on first use (the ``TYPE_CHECKING``
 imports below are for IDEs and type checkers only).
 """
 
@@ -10,38 +16,32 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .config import TreePPOConfig
-    from .executor import TreeExecutor
-    from .partition import (
-        DFSPartitionSampler,
-        LexicographicPartitionSampler,
-        dfs_partition,
-        lexicographic_partition,
-    )
-    from .trainer import TreePPOTrainer
+    from .partition import LexicographicPartitionSampler, lexicographic_partition
+    from .train.config import TreePPOConfig
+    from .train.trainer import TreePPOTrainer
     from .trie import PrefixTrie
+    from .walk.errors import UnsupportedModelError
+    from .walk.executor import TreeExecutor
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "DFSPartitionSampler": "trl_dta.partition",  # deprecated name of LexicographicPartitionSampler
     "LexicographicPartitionSampler": "trl_dta.partition",
     "PrefixTrie": "trl_dta.trie",
-    "TreeExecutor": "trl_dta.executor",
-    "TreePPOConfig": "trl_dta.config",
-    "TreePPOTrainer": "trl_dta.trainer",
-    "dfs_partition": "trl_dta.partition",  # deprecated name of lexicographic_partition
+    "TreeExecutor": "trl_dta.walk.executor",
+    "TreePPOConfig": "trl_dta.train.config",
+    "TreePPOTrainer": "trl_dta.train.trainer",
+    "UnsupportedModelError": "trl_dta.walk.errors",
     "lexicographic_partition": "trl_dta.partition",
 }
 
 __all__ = [
-    "DFSPartitionSampler",
     "LexicographicPartitionSampler",
     "PrefixTrie",
     "TreeExecutor",
     "TreePPOConfig",
     "TreePPOTrainer",
-    "dfs_partition",
+    "UnsupportedModelError",
     "lexicographic_partition",
 ]
 

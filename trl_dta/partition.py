@@ -15,36 +15,21 @@ branch points (between groups rather than inside one).
 
 The lexicographic order is not the order the tree walk visits sequences (:meth:`PrefixTrie.dfs_order`, which
 puts leaves and shallow subtrees first); both keep a shared prefix's sequences together, but only the
-lexicographic order makes a run's cost the simple sum above. ``dfs_partition`` and ``DFSPartitionSampler``
-are the former, deprecated names of :func:`lexicographic_partition` and
-:class:`LexicographicPartitionSampler`.
+lexicographic order makes a run's cost the simple sum above.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
+from .token_sequences import convert, neighbour_lcp
 from .trie import PrefixTrie
 
-__all__ = ["DFSPartitionSampler", "LexicographicPartitionSampler", "dfs_partition", "lexicographic_partition"]
-
-
-def _token_array(sequence: Any, i: int) -> np.ndarray:
-    if hasattr(sequence, "detach"):  # a torch tensor
-        sequence = sequence.detach().cpu().numpy()
-    arr = np.asarray(sequence)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(
-            f"sequence {i} must be a 1-D sequence of integer token ids, got {arr.dtype} {arr.shape}"
-        )
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= 2**32):
-        raise ValueError(f"sequence {i} has a token id outside [0, 2**32)")
-    return arr.astype(np.int64, copy=False)
+__all__ = ["LexicographicPartitionSampler", "lexicographic_partition"]
 
 
 def _lexicographic(sequences: Sequence[Any]) -> tuple[list[int], np.ndarray, np.ndarray]:
@@ -52,17 +37,14 @@ def _lexicographic(sequences: Sequence[Any]) -> tuple[list[int], np.ndarray, np.
     index, as :meth:`PrefixTrie.lexicographic_order`): ``lengths[k]`` of the k-th sequence of the order and
     ``lcp[k]`` its longest common prefix with the one before (``lcp[0] = 0``). Any length is fine, 0 included:
     a partition needs no scored token."""
-    arrays = [_token_array(s, i) for i, s in enumerate(sequences)]
-    keys = [a.astype(">u4").tobytes() for a in arrays]  # memcmp order of big-endian uint32 = numeric order
+    converted = [convert(s, i, min_length=0) for i, s in enumerate(sequences)]
+    if not converted:
+        return [], np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    arrays, keys = zip(*converted, strict=True)
     order = sorted(range(len(arrays)), key=keys.__getitem__)
-    lengths = np.array([len(arrays[i]) for i in order], dtype=np.int64)
-    lcp = np.zeros(len(order), dtype=np.int64)
-    for k in range(1, len(order)):
-        prev, cur = arrays[order[k - 1]], arrays[order[k]]
-        m = min(len(prev), len(cur))
-        neq = np.flatnonzero(prev[:m] != cur[:m])
-        lcp[k] = neq[0] if neq.size else m
-    return order, lengths, lcp
+    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
+    lcp = np.array(neighbour_lcp(list(arrays), lengths, order), dtype=np.int64)
+    return order, lengths[order], lcp
 
 
 def _runs(starts_cost: np.ndarray, cum: np.ndarray, threshold: int, n: int) -> list[int] | None:
@@ -206,24 +188,3 @@ class LexicographicPartitionSampler(Sampler[int]):
 
     def __len__(self) -> int:
         return len(self.indices)
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Deprecated names (the split follows the lexicographic order, not the walk's DFS order)
-# ------------------------------------------------------------------------------------------------------------
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"{old} is deprecated: use {new} (same behaviour).", DeprecationWarning, stacklevel=3)
-
-
-def dfs_partition(sequences: Sequence[Any] | PrefixTrie, num_parts: int) -> list[list[int]]:
-    """Deprecated name of :func:`lexicographic_partition`."""
-    _deprecated("dfs_partition", "lexicographic_partition")
-    return lexicographic_partition(sequences, num_parts)
-
-
-class DFSPartitionSampler(LexicographicPartitionSampler):
-    """Deprecated name of :class:`LexicographicPartitionSampler`."""
-
-    def __init__(self, sequences: Sequence[Any], num_replicas: int | None = None, rank: int | None = None):
-        _deprecated("DFSPartitionSampler", "LexicographicPartitionSampler")
-        super().__init__(sequences, num_replicas, rank)

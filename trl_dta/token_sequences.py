@@ -1,5 +1,6 @@
-"""Token sequences as the trie takes them: validated private int64 copies, big-endian uint32 sort keys (byte
-order = lexicographic order of the ids), and the longest common prefix of lexicographic neighbours."""
+"""Token sequences as the trie and the partition take them: validated private int64 copies, big-endian uint32
+sort keys (byte order = lexicographic order of the ids), and the longest common prefix of lexicographic
+neighbours."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ _U32 = "I" if array.array("I").itemsize == 4 else "L"
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 
-def convert(item: Any, i: int) -> tuple[np.ndarray, bytes]:
-    """Validate sequence ``i``; return (private int64 copy, big-endian uint32 bytes)."""
+def convert(item: Any, i: int, min_length: int = 2) -> tuple[np.ndarray, bytes]:
+    """Validate sequence ``i`` (at least ``min_length`` tokens: 2 for the trie, a prompt token and a scored
+    one; 0 for a partition); return (private int64 copy, big-endian uint32 bytes)."""
     # Fast path for plain lists/tuples of Python ints: array.array('I') converts in C
     # and rejects floats, strings, negatives and ids >= 2**32 by raising.  A list that
     # starts with a bool goes to the slow path, which rejects all-bool lists (numpy
     # infers dtype bool) -- like numpy, a list mixing bools into ints is taken as ints.
-    if type(item) in (list, tuple) and len(item) >= 2 and type(item[0]) is not bool:
+    if type(item) in (list, tuple) and len(item) >= max(min_length, 1) and type(item[0]) is not bool:
         try:
             buf = array.array(_U32, item)
         except (TypeError, OverflowError, ValueError):
@@ -33,7 +35,7 @@ def convert(item: Any, i: int) -> tuple[np.ndarray, bytes]:
                 buf.byteswap()
             return arr, buf.tobytes()
     arr = _to_numpy(item, i)
-    _check_array(arr, i)
+    _check_array(arr, i, min_length)
     arr = np.array(arr, dtype=np.int64, copy=True)  # never share memory with the caller
     return arr, arr.astype(">u4").tobytes()
 
@@ -61,20 +63,24 @@ def _to_numpy(item: Any, i: int) -> np.ndarray:
         raise ValueError(f"sequence {i} could not be turned into a 1-D integer array: {e}") from None
 
 
-def _check_array(arr: np.ndarray, i: int) -> None:
-    """Raise ValueError unless ``arr`` is a valid 1-D array of token ids."""
+def _check_array(arr: np.ndarray, i: int, min_length: int) -> None:
+    """Raise ValueError unless ``arr`` is a valid 1-D array of at least ``min_length`` token ids."""
     if arr.dtype.kind == "O" and arr.ndim == 1 and all(type(v) is int for v in arr.tolist()):
         # Python ints (possibly beyond int64/uint64): check them as ints.
         vals = arr.tolist()
-        if len(vals) < 2:
+        if len(vals) < min_length:
             raise ValueError(_too_short(i, len(vals)))
+        if not vals:
+            return
         if min(vals) < 0:
             raise ValueError(f"sequence {i} has a negative token id ({min(vals)})")
         if max(vals) >= MAX_ID:
             raise ValueError(f"sequence {i} has a token id >= 2**32 ({max(vals)})")
         return
-    if arr.ndim == 1 and arr.shape[0] < 2:  # first: numpy gives [] the dtype float64
+    if arr.ndim == 1 and arr.shape[0] < min_length:  # first: numpy gives [] the dtype float64
         raise ValueError(_too_short(i, arr.shape[0]))
+    if arr.ndim == 1 and arr.shape[0] == 0:
+        return
     if arr.dtype.kind not in "iu":
         raise ValueError(f"sequence {i} has dtype {arr.dtype}; token ids must be integers")
     if arr.ndim != 1:
@@ -119,6 +125,9 @@ def neighbour_lcp(seqs: list[np.ndarray], lengths: np.ndarray, order: list[int])
         cur = seqs[s]
         lc = lens[s]
         m = lp if lp < lc else lc
+        if m == 0:  # an empty sequence (partitions take them)
+            prev, lp = cur, lc
+            continue
         neq = prev[:m] != cur[:m]
         j = int(neq.argmax())  # first mismatch, or 0 when there is none
         out[k] = j if neq[j] else m

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .partition import lexicographic_partition
+from ..partition import lexicographic_partition
 from .rows import batch_rows
 
 # per-token fields (right-padded to the completion width) and their padding values

@@ -1,16 +1,17 @@
 """The walk schedule: the order in which the executor forwards and backpropagates a prefix trie.
 
-A plan is a flat list of three kinds of steps, computed from the trie alone (no model, no tensors), so that
+A plan is a flat list of four kinds of steps, computed from the trie alone (no model, no tensors), so that
 the executor's loop stays small and the schedule can be tested on its own:
 
 * :class:`Push` forwards one *segment* (at most ``block_size`` tokens of a trie node) on top of the K/V of
   the segments already on the stack, and pushes it. ``keep_graph`` says whether its autograd graph is kept
   until it is popped; if not, it is forwarded without a graph now and recomputed with one when popped
   (chunked backward). ``terminals`` are the sequences that end with this segment.
-* :class:`Leaves` forwards a batch of sibling leaf segments in one call on top of the stack, computes their
-  sequences' losses and backpropagates them at once. A leaf is never forwarded without a graph (cut tail).
-  With ``parents`` it is a packed *subtree* instead: a trie node and all its descendants, whole, in one call
-  (see ``subtree_tokens`` below).
+* :class:`SiblingLeaves` forwards a batch of sibling leaf segments in one call on top of the stack,
+  computes their sequences' losses and backpropagates them at once. A leaf is never forwarded without a
+  graph (cut tail).
+* :class:`PackedSubtree` does the same for a trie node and all its descendants, whole, in one call (see
+  ``subtree_tokens`` below).
 * :class:`Pop` backpropagates the top segment with the gradients its descendants sent into its K/V,
   last hidden state and log-probs, then frees it.
 
@@ -28,7 +29,7 @@ Rules:
   shortest first, so padding stays small). ``batch_tokens=0`` forwards one leaf per call.
 * Packed subtrees (``packed`` and ``subtree_tokens > 0``): an internal child whose subtree (the node and
   all its descendants) holds at most ``min(subtree_tokens, batch_tokens, block_size)`` tokens is one
-  :class:`Leaves` step with ``parents``, instead of a push, its children's steps and a pop: one forward and
+  :class:`PackedSubtree` step, instead of a push, its children's steps and a pop: one forward and
   one backward call for the whole subtree (a tree-shaped causal mask), fewer and larger calls than the walk
   makes for it. The mask's attention is computed over the whole packed row, so the budget trades per-call
   overhead against attention work; one subtree per step.
@@ -40,7 +41,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from .trie import PrefixTrie, TrieNode
+from ..trie import PrefixTrie, TrieNode
 
 
 @dataclass(frozen=True)
@@ -64,11 +65,21 @@ class Push:
 
 
 @dataclass(frozen=True)
-class Leaves:
+class SiblingLeaves:
+    """Leaf segments that are children of the stack's top, forwarded in one call (packed into one row, or a
+    padded batch), their sequences' losses backpropagated at once."""
+
     segments: tuple[Segment, ...]
-    # () for sibling leaves (children of the stack's top). A packed subtree: whole trie nodes, each after its
-    # parent, and per segment the index of its parent in ``segments`` (-1: the stack's top).
-    parents: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PackedSubtree:
+    """A trie node under the stack's top and all its descendants, whole, forwarded in one packed row with a
+    tree-shaped causal mask and backpropagated in one call. ``segments`` are whole trie nodes, each after its
+    parent; ``parents[k]`` is the index in ``segments`` of segment ``k``'s parent (-1: the stack's top)."""
+
+    segments: tuple[Segment, ...]
+    parents: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -77,7 +88,7 @@ class Pop:
     keep_graph: bool
 
 
-Step = Push | Leaves | Pop
+Step = Push | SiblingLeaves | PackedSubtree | Pop
 
 
 @dataclass
@@ -100,14 +111,14 @@ class _Builder:
         limit = min(self.subtree_tokens, self.batch_tokens, self.block_size)
         return self.packed and not node.is_leaf and self._subtree_size(node) <= limit
 
-    def _subtree(self, node: TrieNode) -> Leaves:
+    def _subtree(self, node: TrieNode) -> PackedSubtree:
         segments, parents, todo = [], [], [(node, -1)]
         while todo:  # pre-order: a node before its children, children in walk order
             n, parent = todo.pop()
             segments.append(Segment(n, n.start, n.end, tuple(n.terminals)))
             parents.append(parent)
             todo.extend((c, len(segments) - 1) for c in reversed(self.trie.walk_children(n)))
-        return Leaves(tuple(segments), tuple(parents))
+        return PackedSubtree(tuple(segments), tuple(parents))
 
     def _pieces(self, node: TrieNode) -> list[Segment]:
         cuts = list(range(node.start, node.end, self.block_size)) + [node.end]
@@ -131,7 +142,7 @@ class _Builder:
 
     def _flush(self, batch: list[Segment]) -> None:
         if batch:
-            self.steps.append(Leaves(tuple(batch)))
+            self.steps.append(SiblingLeaves(tuple(batch)))
             batch.clear()
 
     def _cost(self, batch: list[Segment]) -> int:
@@ -156,11 +167,11 @@ class _Builder:
 
     def visit(self, node: TrieNode) -> None:
         pieces = self._pieces(node)
-        if node.is_leaf:  # a leaf longer than a block: a chain of pushes ending in a one-row Leaves step
+        if node.is_leaf:  # a leaf longer than a block: a chain of pushes ending in a one-leaf step
             pieces, tail = pieces[:-1], pieces[-1]
         pushes = [self._push(p) for p in pieces]
         if node.is_leaf:
-            self.steps.append(Leaves((tail,)))
+            self.steps.append(SiblingLeaves((tail,)))
         else:
             self.visit_children(node)
         for push in reversed(pushes):

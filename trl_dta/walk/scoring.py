@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .trie import PrefixTrie, TrieNode
+from ..trie import PrefixTrie, TrieNode
 
 
 def first_scored(trie: PrefixTrie, score_from: Sequence[int] | None):

@@ -28,14 +28,14 @@ from accelerate.utils import DistributedType
 from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
+from ..trie import PrefixTrie
+from ..walk.executor import TreeExecutor
 from . import distributed
 from .config import TreePPOConfig
-from .executor import TreeExecutor
 from .gradient_check import GradientCheck
+from .load_balancing import load_balancing_loss, node_weights
 from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
-from .router_loss import load_balancing_loss, node_weights
 from .rows import batch_rows
-from .trie import PrefixTrie
 
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip

@@ -12,50 +12,20 @@ The top-k counts ``C`` carry no gradient, so ``d aux = E / M**2 * sum <C, dp>`` 
 sum of per-token terms, which the tree walk can backpropagate node by node, once ``C`` is known. A token
 shared by ``w`` rows appears ``w`` times in the dense batch with the same ``p``, so a trie node of
 multiplicity ``w`` gets the vector ``v = w * E * C / M**2`` and the walk backpropagates ``<v, p>`` for each of
-its tokens and layers (:meth:`TreeExecutor.backward`'s ``router_grad``). ``C`` (and ``S``, for the value)
+its tokens and layers (:meth:`TreeExecutor.backward`'s ``router_grad``,
+:mod:`trl_dta.walk.router`). ``C`` (and ``S``, for the value)
 come from one forward of the trie's unique tokens without a graph (:meth:`TreeExecutor.router_stats`).
 ``tests/test_router_loss.py`` checks this against Mixtral's function and, end to end, against stock TRL.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 
-from .trie import PrefixTrie, TrieNode
-
-
-@dataclass
-class RouterStats:
-    """Per trie node, over its tokens and the model's router layers: how often each expert was among the
-    top-k of ``softmax(router logits)`` (``counts``), and the summed router probabilities (``probs``), each
-    [num_experts] float32; ``layers`` is the number of router layers."""
-
-    counts: dict[TrieNode, torch.Tensor]
-    probs: dict[TrieNode, torch.Tensor]
-    layers: int
-
-    def add(self, node: TrieNode, routers: list[torch.Tensor], top_k: int) -> None:
-        """Fold one row of ``node``'s router logits (per router layer [L, E]) into the statistics."""
-        self.layers = len(routers)
-        for logits in routers:
-            probs = torch.softmax(logits, dim=-1)  # in the logits' dtype, as TRL's loss does
-            picked = torch.topk(probs, top_k, dim=-1).indices.reshape(-1)
-            counts = torch.bincount(picked, minlength=probs.shape[-1]).float()
-            self.counts[node] = self.counts.get(node, 0) + counts
-            self.probs[node] = self.probs.get(node, 0) + probs.float().sum(0)
-
-
-# Per trie node, a vector v [num_experts]: the walk backpropagates sum over the node's tokens and router
-# layers of <v, softmax(router logits)> (TreeExecutor.backward's router_grad)
-RouterGrad = Mapping[TrieNode, torch.Tensor]
-
-
-def router_term(v: torch.Tensor, routers: list[torch.Tensor]) -> torch.Tensor:
-    """``sum <v, softmax(logits)>`` over the rows of every router layer's logits [L, E], in float32."""
-    return sum((torch.softmax(logits, dim=-1).float() @ v.float()).sum() for logits in routers)
+from ..trie import PrefixTrie, TrieNode
+from ..walk.router import RouterStats
 
 
 def node_weights(trie: PrefixTrie, sequences: Iterable[int]) -> dict[TrieNode, int]:

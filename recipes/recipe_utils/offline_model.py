@@ -8,7 +8,7 @@ dependencies compile llama.cpp, which nothing here uses); ``make demo`` does.
 
 Use::
 
-    from trl_dta.offline_model import OFFLINE_SMOLLM2, resolve_model_name
+    from recipe_utils.offline_model import OFFLINE_SMOLLM2, resolve_model_name
 
     path = resolve_model_name(OFFLINE_SMOLLM2)  # the cached checkpoint's folder (converted once)
     trainer = TreePPOTrainer(model=path, ...)

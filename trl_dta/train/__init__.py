@@ -1,0 +1,16 @@
+"""TRL integration: :class:`TreePPOTrainer`, TRL's ``GRPOTrainer`` with its policy forward/backward replaced
+by the tree walk. It knows nothing of KV caches.
+
+``config.py`` (:class:`TreePPOConfig`), ``trainer.py`` (the trainer: TRL's hooks), ``step.py`` (one optimizer
+step's trie walked with each row's TRL loss), ``rows.py`` (a TRL batch's rows as token sequences),
+``losses.py`` (TRL's loss per row), ``load_balancing.py`` (TRL's MoE load-balancing loss on a trie),
+``distributed.py`` (re-partition across ranks, one gradient all-reduce per step), ``gradient_check.py``
+(``tree_check_gradients``).
+"""
+
+from __future__ import annotations
+
+from .config import TreePPOConfig
+from .trainer import TreePPOTrainer
+
+__all__ = ["TreePPOConfig", "TreePPOTrainer"]

@@ -1,0 +1,19 @@
+"""The walk: forward and backward of every sequence of a prefix trie through a causal LM, each shared prefix
+once. It knows nothing of TRL.
+
+Read in this order: ``plan.py`` (the schedule of pushes, leaf batches, packed subtrees and pops, from the trie
+alone), ``executor.py`` (:class:`TreeExecutor`, the loop that runs a plan), ``state.py`` (what one walk
+keeps: its stack of frames), ``forwards.py`` (one step's model call: a segment, sibling leaves padded or
+packed), ``scoring.py`` (which positions get the LM head, a sequence's log-probs along the stack),
+``router.py`` (MoE router terms). The model side: ``model.py`` (:class:`CausalLM`, the adapter over a
+``transformers`` model), ``cache.py`` (the cache object the model writes into), ``path_kv.py`` (the path's
+K/V in one buffer per layer), ``packing.py`` (positions and mask of a packed row), ``checks.py`` and
+``probe.py`` (what is refused, and the construction probe), ``errors.py`` (:class:`UnsupportedModelError`).
+"""
+
+from __future__ import annotations
+
+from .errors import UnsupportedModelError
+from .executor import TreeExecutor
+
+__all__ = ["TreeExecutor", "UnsupportedModelError"]

@@ -1,0 +1,154 @@
+"""Which models the tree walk computes exactly, decided when a :class:`~trl_dta.walk.model.CausalLM` is made.
+
+The walk runs a model on pieces of a sequence: a segment on top of its prefix's cached K/V, and sibling
+leaves packed into one row with a hand-made block-diagonal mask. That equals the model's dense forward only
+if nothing in the model depends on how the sequence was cut. What can break it, and what is done:
+
+* an attention window or chunk (Mistral-style ``sliding_window``, ``layer_types``, Llama 4 chunked
+  attention, GPT-Neo local attention): detected from the config the way transformers reads it; sequences
+  longer than the window are refused at the call, and leaves are never packed (a hand-made 4-D mask
+  replaces the model's windowed one, and some models slice the window by index in the packed row);
+* attention biases built from key indices (ALiBi in MPT, Bloom, Falcon) or anything else a packed row
+  changes: the probe compares packed sibling leaves with the model's own dense forwards and, if they
+  differ or fail, the executor forwards leaves as a padded batch instead (exact, a little slower);
+* RoPE whose frequencies depend on the call's length (dynamic NTK, longrope): refused for sequences longer
+  than the original context, where the frequencies start to move;
+* layers that keep state other than K/V (state-space, linear attention, short convolutions): their states are
+  carried through transformers' cache API, which the probe checks on a two-segment path; kinds outside that
+  API are refused, and sibling leaves are never packed (one leaf's state would run into the next);
+* a cache the model ignores, an LM-head transform the walk does not reproduce, a model that is not causal:
+  the probe (:mod:`trl_dta.walk.probe`) refuses them, naming the cause;
+* dropout active while the model trains (a shared prefix would share one mask): refused at the call.
+
+Every refusal is an :class:`~trl_dta.walk.errors.UnsupportedModelError`.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .errors import UnsupportedModelError
+
+SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+
+# layer kinds (transformers' cache layer types) whose state is not a plain K/V cache
+_STATEFUL_LAYERS = ("conv", "linear", "mamba", "hybrid", "recurrent", "ssm", "rwkv", "lstm", "deltanet")
+# layer kinds that keep extra per-token caches next to K/V (sparse-attention indexers, compressed attention)
+_INDEXED_LAYERS = ("indexed", "compressed")
+# layer kinds whose conv / recurrent states transformers' cache API exposes and the walk carries
+_CARRIED_STATES = ("conv", "linear_attention", "hybrid", "hybrid_sliding")
+
+
+def layer_types(config) -> list[str]:
+    """Per-layer attention kind, read as transformers builds its caches: ``layer_types`` if the config has
+    it, otherwise every layer is windowed when ``sliding_window`` is set (Mistral, Mixtral, Starcoder2, Phi-3)
+    unless ``use_sliding_window`` is False, chunked when ``attention_chunk_size`` is set, else full."""
+    types = getattr(config, "layer_types", None)
+    n = config.num_hidden_layers
+    if types:
+        return list(types)
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) is not False:
+        return ["sliding_attention"] * n
+    if getattr(config, "attention_chunk_size", None):
+        return ["chunked_attention"] * n
+    return ["full_attention"] * n
+
+
+def attention_window(config) -> tuple[int | None, str]:
+    """The shortest attention window or chunk of any layer and its kind (for messages), or (None, "")."""
+    windows = []
+    for kind in set(layer_types(config)):
+        if "sliding" in kind and getattr(config, "sliding_window", None):
+            windows.append((int(config.sliding_window), "sliding window"))
+        elif "chunk" in kind and getattr(config, "attention_chunk_size", None):
+            windows.append((int(config.attention_chunk_size), "chunked attention"))
+    local = [kind for kind in (getattr(config, "attention_layers", None) or []) if kind == "local"]
+    if local and getattr(config, "window_size", None):  # GPT-Neo
+        windows.append((int(config.window_size), "local attention window"))
+    return min(windows) if windows else (None, "")
+
+
+def check_stateful_layers(config, name: str) -> None:
+    """Refuse layers whose cache the walk does not carry: sparse-attention indexers and compressed
+    attention, and any state-keeping layer kind other than those of transformers' linear-attention cache
+    (convolution, linear attention / state-space, hybrid), whose states the walk carries."""
+    types = layer_types(config)
+    indexed = sorted({k for k in types if any(s in str(k).lower() for s in _INDEXED_LAYERS)})
+    if indexed:
+        raise UnsupportedModelError(
+            f"{name} has layers of kind {indexed}: sparse or compressed attention keeps extra caches next "
+            "to K/V (a top-k indexer's keys, compressed blocks) that the tree walk does not manage; not "
+            "supported."
+        )
+    kinds = sorted(
+        {k for k in types if any(s in str(k).lower() for s in _STATEFUL_LAYERS) and k not in _CARRIED_STATES}
+    )
+    if kinds:
+        raise UnsupportedModelError(
+            f"{name} has layers of kind {kinds}: they keep a state that transformers' linear-attention "
+            "cache does not describe (the tree walk carries the states of layers of kind "
+            f"{sorted(_CARRIED_STATES)}); not supported."
+        )
+
+
+def rope_length_limit(model) -> tuple[int | None, str]:
+    """Longest sequence for which RoPE frequencies do not depend on the call's length, and the RoPE type.
+
+    Dynamic NTK rescales once a call's largest position passes the original context; longrope switches to its
+    long factors there. A cached prefix would then be encoded with other frequencies than a dense pass."""
+    limits = []
+    for module in model.modules():
+        kinds = getattr(module, "rope_type", None)
+        if kinds is None or not hasattr(module, "inv_freq"):
+            continue
+        for kind in kinds.values() if isinstance(kinds, dict) else [kinds]:
+            if "dynamic" in str(kind):
+                limits.append((int(module.original_max_seq_len), str(kind)))
+            elif kind == "longrope":
+                params = getattr(module.config, "rope_parameters", None) or {}
+                params = next(iter(params.values())) if "rope_type" not in params and params else params
+                original = params.get("original_max_position_embeddings") or getattr(
+                    module.config, "original_max_position_embeddings", None
+                )
+                limits.append((int(original or module.original_max_seq_len), "longrope"))
+    return min(limits) if limits else (None, "")
+
+
+def check_attention_implementation(config) -> None:
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl not in SUPPORTED_ATTENTION:
+        raise UnsupportedModelError(
+            f"attention implementation {impl!r} is not supported by the tree walk; use one of "
+            f"{SUPPORTED_ATTENTION} (attn_implementation=... in from_pretrained)."
+        )
+
+
+def check_no_dropout(model: nn.Module, config) -> None:
+    """Refuse active dropout in a training model: a shared prefix would share one dropout mask, so the walk
+    would not equal the dense computation."""
+    if not model.training:
+        return
+    dropouts = [n for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    if dropouts or getattr(config, "attention_dropout", 0.0):
+        where = dropouts[0] if dropouts else "config.attention_dropout"
+        raise ValueError(
+            f"dropout is active ({where}): a shared prefix would share one dropout mask, so the tree walk "
+            "would not equal the dense computation. Put the model in eval mode or disable dropout (TRL's "
+            "disable_dropout=True)."
+        )
+
+
+def check_length(lm, max_length: int) -> None:
+    """Refuse sequences longer than the model's attention window or the limit of its length-dependent RoPE
+    (``lm``: a :class:`~trl_dta.walk.model.CausalLM`)."""
+    if lm.attention_window is not None and max_length > lm.attention_window:
+        raise UnsupportedModelError(
+            f"a sequence of {max_length} tokens exceeds the model's {lm.window_kind} ({lm.attention_window} "
+            "tokens); windowed or chunked attention over a cached prefix is not supported."
+        )
+    if lm.rope_limit is not None and max_length > lm.rope_limit:
+        raise UnsupportedModelError(
+            f"a sequence of {max_length} tokens exceeds the model's original context ({lm.rope_limit}) with "
+            f"{lm.rope_kind!r} RoPE: past it the rotary frequencies depend on each forward call's length, so "
+            "a cached prefix is encoded differently from a dense pass; not supported."
+        )

@@ -1,0 +1,368 @@
+"""The tree executor: forward and backward of every sequence of a prefix trie, each shared prefix once.
+
+The walk follows the plan of :mod:`trl_dta.walk.plan`. A stack (:class:`~trl_dta.walk.state.Walk`) holds the
+segments of the current root-to-node path; for each one it keeps what the segment left in every layer's
+cache (for the state layers of hybrid and state-space models, its final conv / recurrent states), its last
+hidden state (to score its children's first tokens) and its tokens' log-probs, each behind a *handle* whose
+``.grad`` collects what descendants send into it. The path's K/V live in one buffer per attention layer
+(:class:`~trl_dta.walk.path_kv.PathKV`), with a gradient buffer beside it that plays the same role:
+
+* ``Push``: forward the segment on the path; keep the autograd graph, or (chunked backward) forward without
+  one and recompute it at pop.
+* ``SiblingLeaves`` / ``PackedSubtree``: forward sibling leaves (packed into one row with a block-diagonal
+  causal mask, or right-padded where packing is not exact) or a whole small subtree (one packed row with a
+  tree-shaped mask), compute each finished sequence's loss from the log-probs along its path and
+  backpropagate at once: into the parameters, and into the handles of every segment on the stack.
+* ``Pop``: backpropagate the segment's outputs with the gradients collected in their handles (and, for its
+  K/V, at its positions of the gradient buffer), which continues into the parameters and into the handles
+  of the segments below it; then free it.
+
+State models never forward a single token on a carried state (decode kernels may compute something else,
+or have no backward): such a one-token segment is *pending*, and its children forward its token again.
+
+MoE models: the walk can also backpropagate a linear term in each segment's router probabilities (the
+load-balancing loss, :mod:`trl_dta.walk.router`), and count router choices in a no-grad pass.
+
+Because the loss of a sequence is a function of its own log-probs only, the sum of all these backward
+calls is exactly ``sum_i loss_fn(i, logps_i, entropies_i).backward()`` over dense per-sequence forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..trie import PrefixTrie, TrieNode
+from .forwards import decode, decode_packed, decode_padded
+from .model import CausalLM
+from .path_kv import PathKV
+from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, build_plan
+from .router import RouterGrad, RouterStats, route
+from .scoring import first_scored, path_scores, score_rows
+from .state import Frame, OnSequence, SegmentOutputs, Walk, flat_outputs
+
+LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class TreeExecutor:
+    """Forward/backward of the sequences of a :class:`~trl_dta.PrefixTrie` through a causal LM.
+
+    Args:
+        model: a ``transformers`` causal LM that takes a KV cache (see docs/supported-models.md), plain or
+            PEFT (LoRA) wrapped. Dropout must be off while it trains (it is checked at each call). Models the
+            walk cannot compute exactly raise :class:`~trl_dta.UnsupportedModelError`.
+        block_size: most tokens forwarded with an autograd graph kept on the stack, and longest segment. Paths
+            longer than that are walked with chunked backward (blocks forwarded without a graph, recomputed
+            with one when popped); logits are never computed for more than a block (or a leaf batch) at once.
+        batch_tokens: budget for forwarding sibling leaves together in one call on their shared prefix: their
+            total tokens when packed, rows x longest row when padded. ``None`` means ``block_size``; 0
+            forwards one leaf per call.
+        lm_head_fp32: compute the LM head projection in float32 (TRL's ``cast_lm_head_to_fp32``).
+        pack_leaves: forward a batch of sibling leaves as one packed row with a block-diagonal causal mask
+            (no padding, the shared past not replicated per leaf) where the attention backend takes a custom
+            mask (eager, sdpa) and the construction probe finds packing exact for the model (no attention
+            window, no bias built from key indices such as ALiBi); otherwise, or with False, as a right-padded
+            batch.
+        subtree_tokens: where leaves are packed, a subtree (a node and all its descendants) of at most this
+            many tokens is forwarded whole in one packed row with a tree-shaped causal mask and
+            backpropagated in one call (fewer, larger calls; the mask's attention covers the whole row, so
+            larger subtrees trade call overhead for attention work). 0: sibling leaves only.
+
+    Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
+    HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        block_size: int = 2048,
+        batch_tokens: int | None = None,
+        lm_head_fp32: bool = False,
+        pack_leaves: bool = True,
+        subtree_tokens: int = 512,
+    ):
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32)
+        self.block_size = block_size
+        self.batch_tokens = block_size if batch_tokens is None else batch_tokens
+        self.pack_leaves = pack_leaves and self.lm.can_pack
+        self.subtree_tokens = subtree_tokens if self.pack_leaves else 0
+        self.device = self.lm.device
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def logprobs(
+        self,
+        trie: PrefixTrie,
+        temperature: float = 1.0,
+        entropies: bool = False,
+        score_from: Sequence[int] | None = None,
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-sequence log-probs ``lp[t] = log p(seq[t+1] | seq[:t+1])`` (length ``len(seq) - 1``), in input
+        order, at ``temperature``; with ``entropies=True`` also the entropy of each of those distributions.
+
+        ``score_from[i]``: the first log-prob index sequence ``i`` needs (e.g. its prompt length - 1); its
+        result then starts there (``lp[k]`` is index ``score_from[i] + k``), and the LM head runs only on
+        positions some sequence needs. Default: every position."""
+        logps, ents = [None] * len(trie), [None] * len(trie)
+
+        def record(index, lp, ent):
+            logps[index], ents[index] = lp, ent
+
+        self._walk(trie, temperature, entropies, record, grad=False, score_from=score_from)
+        return (logps, ents) if entropies else logps
+
+    @torch.no_grad()
+    def router_stats(self, trie: PrefixTrie) -> RouterStats:
+        """MoE models: a forward of every unique token (no LM head, no graph) that counts, per trie node, the
+        experts each token's router picks and sums its router probabilities (:class:`RouterStats`)."""
+        if not self.lm.is_moe:
+            raise ValueError(f"{self.lm.name} has no MoE router.")
+        stats = RouterStats({}, {}, 0)
+        self._walk(trie, 1.0, False, lambda *a: None, grad=False, router=stats, scoring=False)
+        return stats
+
+    def backward(
+        self,
+        trie: PrefixTrie,
+        loss_fn: LossFn,
+        temperature: float = 1.0,
+        entropies: bool = False,
+        router_grad: RouterGrad | None = None,
+        score_from: Sequence[int] | None = None,
+    ) -> float:
+        """Accumulate into the trainable parameters' ``.grad`` exactly what
+        ``sum_i loss_fn(i, logps_i, entropies_i).backward()`` would with dense per-sequence forwards, and
+        return that summed loss. ``loss_fn(index, logps, entropies)`` returns a scalar tensor for sequence
+        ``index`` (``entropies`` is None unless ``entropies=True``); it may depend on all of the sequence's
+        log-probs (sequence-level losses).
+
+        ``router_grad`` (MoE models): per trie node a vector ``v`` [num_experts]; the gradient of
+        ``sum <v, softmax(router logits)>`` over the node's tokens and router layers is added as well. Nodes
+        missing from the mapping add nothing. ``score_from``: as in :meth:`logprobs`; ``loss_fn`` then gets
+        each sequence's log-probs from its ``score_from`` index on."""
+        if router_grad is not None and not self.lm.is_moe:
+            raise ValueError(f"router_grad given, but {self.lm.name} has no MoE router.")
+        total = []
+
+        def on_loss(index, lp, ent):
+            loss = loss_fn(index, lp, ent)
+            if loss.dim() != 0:
+                raise ValueError(
+                    f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)} for {index}"
+                )
+            total.append(loss.detach())
+            return loss
+
+        self._walk(
+            trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from
+        )
+        return float(sum(t.detach().double() for t in total)) if total else 0.0
+
+    # ------------------------------------------------------------------ the walk
+    def _walk(
+        self, trie: PrefixTrie, temperature: float, entropies: bool, on_sequence: OnSequence, grad: bool,
+        router: RouterGrad | RouterStats | None = None, scoring: bool = True,
+        score_from: Sequence[int] | None = None,
+    ) -> None:  # fmt: skip
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.lm.check_call(trie.max_depth)
+        seq_from, node_from = first_scored(trie, score_from)
+        plan = build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves, self.subtree_tokens)
+        walk = Walk(
+            trie, temperature, entropies, grad, on_sequence, PathKV(self._capacity(plan)), seq_from,
+            node_from, router, scoring,
+        )  # fmt: skip
+        with self.lm.no_gradient_checkpointing():
+            for step in plan:
+                if isinstance(step, Push):
+                    self._push(walk, step)
+                elif isinstance(step, Pop):
+                    frame = walk.stack.pop()
+                    if grad:
+                        self._pop(walk, frame, step.keep_graph)
+                else:
+                    self._leaves(walk, step)
+
+    def _capacity(self, plan) -> int:
+        """The most cache positions a forward of ``plan`` reaches (its start + its row's tokens)."""
+        end = 0
+        for step in plan:
+            if isinstance(step, Push):
+                end = max(end, step.segment.end)
+            elif isinstance(step, SiblingLeaves | PackedSubtree):
+                lengths = [s.num_tokens for s in step.segments]
+                row = sum(lengths) if len(lengths) > 1 and self.pack_leaves else max(lengths)
+                end = max(end, step.segments[0].start + max(row, 2))  # (padded: at least 2 wide)
+        return end
+
+    @staticmethod
+    def _backprop(losses: list[torch.Tensor]) -> None:
+        losses = [loss for loss in losses if loss.requires_grad]
+        if losses:
+            torch.stack(losses).sum().backward()
+
+    def _segment_ids(self, trie: PrefixTrie, segment: Segment) -> torch.Tensor:
+        tokens = trie.sequences[segment.node.seq][segment.start : segment.end]
+        return torch.as_tensor(tokens, dtype=torch.long, device=self.device)
+
+    def _route_rows(self, walk: Walk, node: TrieNode, routers, top: Frame | None, lead: int):
+        """MoE: route one row's router logits, whose first ``lead`` tokens are the pending segment ``top``'s:
+        those are routed by the first forward that carries them (in exact arithmetic every child's forward
+        computes the same router logits for them, so the term or count is taken once)."""
+        if routers is None:
+            return []
+        terms = []
+        if lead and not top.routed and (isinstance(walk.router, RouterStats) or torch.is_grad_enabled()):
+            terms.append(route(walk.router, top.segment.node, [r[:lead] for r in routers], self.lm.top_k))
+            top.routed = True
+        terms.append(route(walk.router, node, [r[lead:] for r in routers], self.lm.top_k))
+        return [t for t in terms if t is not None]
+
+    # ------------------------------------------------------------------ push
+    def _push(self, walk: Walk, step: Push) -> None:
+        """Forward the segment (with its graph if it is kept), push it, and backpropagate the losses of the
+        sequences that end with it."""
+        segment, with_graph = step.segment, walk.grad and step.keep_graph
+        top = walk.pending()
+        kv_from = segment.start - (0 if top is None else top.pending.numel())
+        with torch.set_grad_enabled(with_graph):
+            out = self._compute_segment(walk, segment)
+        walk.stack.append(Frame.pushed(segment, out, kv_from, with_graph))
+        if walk.scoring:
+            losses = [
+                walk.on_sequence(i, *path_scores(walk.stack, None, None, 0, walk.seq_from[i]))
+                for i in segment.terminals
+            ]
+            if walk.grad:
+                self._backprop(losses)
+
+    def _compute_segment(self, walk: Walk, segment: Segment) -> SegmentOutputs:
+        """Forward ``segment`` on the walk's path.
+
+        State models (:attr:`CausalLM.has_states`) never forward a single token on a carried state: models'
+        one-token (decode) kernels may compute something else than their multi-token kernels (a clamp only
+        one applies) or have no backward. Such a segment is *pending*: only its token's log-prob is computed
+        (from the parent's last hidden state), and each child forwards the token again at the head of its
+        own forward (one token more per child, exact)."""
+        ids = self._segment_ids(walk.trie, segment)
+        top = walk.pending()
+        lead = 0 if top is None else top.pending.numel()
+        if top is None and walk.stack and self.lm.has_states and ids.numel() == 1:
+            return self._defer(walk, segment, ids)
+        if lead:
+            ids = torch.cat([top.pending, ids])
+        start = segment.start - lead
+        hidden, caches, routers = decode(self.lm, walk, ids[None], start)
+        terms = self._route_rows(walk, segment.node, routers, top, lead)
+        router_term = torch.stack(terms).sum() if terms else None
+        if not walk.scoring:
+            empty = hidden.new_zeros(0)
+            return SegmentOutputs(caches, hidden[:, -1:], empty, None, router_term, segment.end - 1, None)
+        # with a pending head, lp[start - 1] is the head's own
+        first = walk.first_scored(segment.node)
+        froms = [max(first, start) if lead else first]
+        lps, ents, firsts = score_rows(
+            self.lm, [hidden[0]], [ids], start, walk.parent_hidden(), walk.temperature, walk.entropies, froms
+        )
+        ent = ents[0] if walk.entropies else None
+        return SegmentOutputs(caches, hidden[:, -1:], lps[0], ent, router_term, firsts[0], None)
+
+    def _defer(self, walk: Walk, segment: Segment, ids: torch.Tensor) -> SegmentOutputs:
+        """A pending one-token segment (see :meth:`_compute_segment`): its log-prob from the parent's last
+        hidden state, no forward."""
+        parent_hidden = walk.parent_hidden()
+        if not walk.scoring:
+            return SegmentOutputs([], None, parent_hidden.new_zeros(0), None, None, segment.end - 1, ids)
+        lps, ents, firsts = score_rows(
+            self.lm, [parent_hidden.reshape(1, -1)[:0]], [ids], segment.start, parent_hidden,
+            walk.temperature, walk.entropies, [walk.first_scored(segment.node)],
+        )  # fmt: skip
+        ent = ents[0] if walk.entropies else None
+        return SegmentOutputs([], None, lps[0], ent, None, firsts[0], ids)
+
+    # ------------------------------------------------------------------ leaves and packed subtrees
+    def _leaves(self, walk: Walk, step: SiblingLeaves | PackedSubtree) -> None:
+        """Forward sibling leaves or a packed subtree in one call, and backpropagate its sequences' losses
+        (and MoE router terms) at once."""
+        segments = step.segments
+        top = walk.pending()  # its token heads every row (state models, see _compute_segment)
+        lead = 0 if top is None else top.pending.numel()
+        ids = [self._segment_ids(walk.trie, s) for s in segments]
+        if lead:
+            ids = [torch.cat([top.pending, t]) for t in ids]
+        start = segments[0].start - lead
+        with torch.set_grad_enabled(walk.grad):
+            if len(segments) > 1 and self.pack_leaves:
+                hiddens, routers = decode_packed(self.lm, walk, ids, start, step)
+            else:
+                hiddens, routers = decode_padded(self.lm, walk, ids, start)
+            losses = [
+                term
+                for segment, r in zip(segments, routers, strict=True)
+                for term in self._route_rows(walk, segment.node, r, top, lead)
+            ]
+            if walk.scoring:
+                losses += self._leaf_losses(walk, step, hiddens, ids, start, lead)
+        if walk.grad:
+            self._backprop(losses)
+
+    def _leaf_losses(self, walk: Walk, step, hiddens, ids, start: int, lead: int) -> list:
+        """Score the rows of a leaves or subtree step (one LM-head call) and call ``on_sequence`` for each
+        sequence that ends in it, with its log-probs along the stack and its ancestors in the row."""
+        segments = step.segments
+        parents = step.parents if isinstance(step, PackedSubtree) else (-1,) * len(segments)
+        froms = [max(walk.first_scored(s.node), start if lead else 0) for s in segments]
+        starts = [start] * len(segments) if lead else [s.start for s in segments]  # (lead: no subtree)
+        above = [walk.parent_hidden() if p < 0 else hiddens[p][-1] for p in parents]
+        lps, ents, firsts = score_rows(
+            self.lm, hiddens, ids, starts, above, walk.temperature, walk.entropies, froms
+        )
+        pieces = [(lps[r], ents[r] if walk.entropies else None, firsts[r]) for r in range(len(segments))]
+        losses = []
+        for row, segment in enumerate(segments):
+            chain, up = [], parents[row]  # the row's ancestors in the step, root first
+            while up >= 0:
+                chain.insert(0, pieces[up])
+                up = parents[up]
+            for i in segment.terminals:
+                path = path_scores(walk.stack, *pieces[row][:2], firsts[row], walk.seq_from[i], chain)
+                losses.append(walk.on_sequence(i, *path))
+        return losses
+
+    # ------------------------------------------------------------------ pop
+    def _pop(self, walk: Walk, frame: Frame, kept_graph: bool) -> None:
+        """Backpropagate a popped segment with the gradients its descendants sent into its handles and its
+        K/V (recomputing its graph first under chunked backward)."""
+        handles = frame.handles()
+        has_router = frame.router_term is not None or (not kept_graph and walk.router is not None)
+        has_kv = frame.pending is None and walk.kv.has_grad(frame.kv_from)
+        if not has_router and not has_kv and not any(h is not None and h.grad is not None for h in handles):
+            return
+        # the K/V gradients its descendants sent, per attention layer (taken, and cleared for the segments
+        # that will take these positions next)
+        kv_layers = [i for i, layer in enumerate(frame.caches) if "k" in layer] if has_kv else []
+        kv_grads = [walk.kv.take_grad(i, frame.kv_from, frame.segment.end) for i in kv_layers]
+        walk.kv.popped(frame.kv_from)
+        caches, outputs, router_term = frame.caches, frame.outputs(), frame.router_term
+        if not kept_graph:  # chunked backward: recompute the segment, this time with a graph
+            out = self._compute_segment(walk, frame.segment)
+            caches, router_term = out.caches, out.router_term
+            outputs = flat_outputs(out.caches, out.last_hidden, out.logps, out.entropies)
+        pairs = [(out, None if h is None else h.grad) for out, h in zip(outputs, handles, strict=True)]
+        for i, (grad_k, grad_v) in zip(kv_layers, kv_grads, strict=True):
+            pairs += [(caches[i]["k"], grad_k), (caches[i]["v"], grad_v)]
+        outs, grads = [], []
+        for out, grad in pairs:
+            if grad is not None and out.requires_grad:
+                outs.append(out)
+                grads.append(grad.to(out.dtype))
+        if router_term is not None and router_term.requires_grad:
+            outs.append(router_term)
+            grads.append(torch.ones_like(router_term))
+        if outs:
+            torch.autograd.backward(outs, grads)

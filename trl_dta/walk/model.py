@@ -1,0 +1,265 @@
+"""What the walk needs from a Hugging Face causal LM: a decoder forward on a cached path, and an LM head.
+
+:class:`CausalLM` wraps a ``transformers`` causal LM (plain or PEFT-wrapped) and offers two operations:
+
+* :meth:`CausalLM.forward`: run the decoder on new tokens on top of the path before them (its K/V in the
+  walk's :class:`~trl_dta.walk.path_kv.PathKV`; for hybrid and state-space models, the last segment's conv /
+  recurrent states) and return the final hidden states and what the new tokens leave in each layer's cache
+  (:mod:`trl_dta.walk.cache`), with their autograd graph when grad is enabled;
+* :meth:`CausalLM.logits`: the LM head, with the model's logit scale and soft-capping (the same transform
+  TRL's fused LM head applies), divided by a temperature, in at least float32.
+
+Models it cannot run exactly are refused with :class:`~trl_dta.walk.errors.UnsupportedModelError` when
+wrapped, or at a call for limits that depend on the sequences (attention windows, length-dependent RoPE):
+:mod:`trl_dta.walk.checks` holds the checks, :mod:`trl_dta.walk.probe` the probe that compares the walk's
+operations with the model's own dense forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from . import checks
+from .cache import KV, LayerCache, RecordingCache, cache_kinds
+from .errors import UnsupportedModelError
+from .path_kv import PathKV
+from .probe import probe as run_probe
+
+logger = logging.getLogger(__name__)
+
+
+class Decoded(NamedTuple):
+    """What one decoder forward gives: hidden states [B, L, D], per layer what it leaves
+    (:data:`~trl_dta.walk.cache.LayerCache`), and (when asked) each router layer's logits [B * L, E]."""
+
+    hidden: torch.Tensor
+    caches: list[LayerCache]
+    routers: list[torch.Tensor] | None
+
+
+def _logit_scale(config) -> float:
+    """The multiplier a model applies to its logits (same lookup as TRL's fused LM head)."""
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return float(value)
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling is not None:
+        return float(scaling) if config.model_type == "hyperclovax" else 1.0 / float(scaling)
+    return 1.0
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The ``transformers`` model under a PEFT wrapper (LoRA-style adapters; prompt learning is refused)."""
+    if hasattr(model, "get_base_model") and hasattr(model, "peft_config"):
+        if getattr(model.active_peft_config, "is_prompt_learning", False):
+            raise UnsupportedModelError(
+                "PEFT prompt-learning methods add virtual tokens and are not supported; use LoRA."
+            )
+        return model.get_base_model()
+    return model
+
+
+class CausalLM:
+    """A causal LM seen as ``forward(tokens, path) -> hidden, new caches`` plus an LM head.
+
+    Args:
+        model: a ``transformers`` causal LM, or a PEFT model wrapping one (LoRA-style adapters; prompt
+            learning methods are refused).
+        lm_head_fp32: run the LM head projection in float32 (TRL's ``cast_lm_head_to_fp32``).
+        probe: run the probe now (recommended; a few forwards of at most 13 tokens). Without it, sibling
+            leaves are never packed, since only the probe shows that packing is exact for the model.
+    """
+
+    def __init__(self, model: nn.Module, lm_head_fp32: bool = False, probe: bool = True):
+        self.model = model
+        self.base = base = _base_model(model)
+        self.name = type(base).__name__
+        self.config = base.config.get_text_config()
+        self.decoder = base.get_decoder()
+        if self.decoder is base:  # e.g. Llama 4: base_model_prefix names an attribute the text model lacks
+            self.decoder = getattr(base, "model", None)
+        self.lm_head = base.get_output_embeddings()
+        if self.decoder is None or self.decoder is base or self.lm_head is None:
+            raise UnsupportedModelError(f"{self.name} is not a decoder + LM head causal LM; not supported.")
+        self.lm_head_fp32 = lm_head_fp32
+        if lm_head_fp32 and type(self.lm_head) is not nn.Linear:
+            raise UnsupportedModelError(
+                "lm_head_fp32=True needs a plain nn.Linear LM head (no adapter on it)."
+            )
+        self.logit_scale = _logit_scale(self.config)
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        self.cache_kinds = cache_kinds(self.config)
+        self.has_states = any(k in ("state", "hybrid") for k in self.cache_kinds)
+        # MoE: the router's expert count and top-k, as TRL's load-balancing loss reads them (None if dense)
+        self.num_experts = getattr(self.config, "num_experts", None) if self.is_moe else None
+        self.top_k = getattr(self.config, "num_experts_per_tok", None) if self.is_moe else None
+        self.cache_keyword = self._cache_keyword()
+        # attention window or chunk: longer sequences are refused at the call
+        self.attention_window, self.window_kind = checks.attention_window(self.config)
+        # RoPE whose frequencies depend on the call's length: exact up to this many tokens
+        self.rope_limit, self.rope_kind = checks.rope_length_limit(base)
+        self._warned_checkpointing = False
+        checks.check_stateful_layers(self.config, self.name)
+        checks.check_attention_implementation(self.config)
+        # Packing sibling leaves into one row needs a custom 4-D additive mask (eager, sdpa) that the model
+        # applies as given (no window of its own, no index-based bias: the probe checks the latter). State
+        # layers would carry one leaf's state into the next leaf of a packed row.
+        impl = getattr(self.config, "_attn_implementation", "eager")
+        self.can_pack = impl in ("eager", "sdpa") and self.attention_window is None and not self.has_states
+        self.can_pack = self.probe() if probe else False
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model can return router logits (TRL's test for an MoE model)."""
+        return hasattr(self.config, "output_router_logits")
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    # ---------------------------------------------------------------- checks
+    def _cache_keyword(self) -> str:
+        params = inspect.signature(self.decoder.forward).parameters
+        for name in ("cache", "past_key_values"):  # transformers >= 5.24 / older
+            if name in params:
+                return name
+        raise UnsupportedModelError(
+            f"{type(self.decoder).__name__}.forward takes no KV cache; the tree walk needs one."
+        )
+
+    def check_call(self, max_length: int) -> None:
+        """Checks that depend on the model's current mode and on the sequences of a call."""
+        checks.check_no_dropout(self.model, self.config)
+        checks.check_length(self, max_length)
+
+    @contextlib.contextmanager
+    def no_gradient_checkpointing(self):
+        """Switch gradient checkpointing off for the walk (HF layers drop a passed cache under it); restore it
+        after."""
+        switched = [m for m in self.model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+        if switched and self.model.training and not self._warned_checkpointing:
+            self._warned_checkpointing = True
+            logger.warning(
+                "Gradient checkpointing is on: it makes decoder layers drop the KV cache, so it is switched "
+                "off during the tree walk and restored afterwards (the walk bounds activation memory itself)."
+            )
+        for m in switched:
+            m.gradient_checkpointing = False
+        try:
+            yield
+        finally:
+            for m in switched:
+                m.gradient_checkpointing = True
+
+    def probe(self) -> bool:
+        """Compare the walk's operations with the model's own dense forward
+        (:func:`trl_dta.walk.probe.probe`); raise if they differ, return whether packing leaves is exact. It
+        runs in eval mode (no dropout), in the weights' dtype with autocast off: under bf16 autocast two exact
+        methods already differ by ~1e-2, which would hide a wrong cache. The walk itself runs under whatever
+        autocast the caller set."""
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.autocast(self.device.type, enabled=False):
+                return run_probe(self, try_packing=self.can_pack)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
+    # ---------------------------------------------------------------- compute
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        start: int,
+        kv: PathKV,
+        states: list[LayerCache] | None = None,
+        positions: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        router_logits: bool = False,
+    ) -> Decoded:
+        """Decode ``input_ids`` ([B, L], positions ``start..start+L-1`` unless ``positions`` are given) on top
+        of the path's K/V at positions ``[0, start)`` of ``kv`` and the ``states`` its last segment left
+        (each with B rows: :func:`~trl_dta.walk.cache.expand_states`), causally, or with a 4-D additive
+        ``attention_mask`` [B, 1, L, start + L]. The new K/V are written into ``kv`` too (when B is 1).
+        ``router_logits``: also return every router layer's logits (MoE models)."""
+        if router_logits and not self.is_moe:
+            raise ValueError(f"{self.name} has no MoE router.")
+        batch, length = input_ids.shape
+        if length == 1 and states and self.has_states:
+            raise ValueError(
+                "a one-token forward on carried states would run the model's decode kernels, which may "
+                "differ from its multi-token kernels or have no backward; the executor forwards such a token "
+                "with the next ones instead."
+            )
+        cache = RecordingCache(states, self.cache_kinds, start, kv)
+        if positions is None:
+            positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
+        extra = {} if attention_mask is None else {"attention_mask": attention_mask}
+        if self.is_moe:  # ask explicitly: the config's own flag must not decide what the walk computes
+            extra["output_router_logits"] = router_logits
+        out = self.decoder(
+            input_ids=input_ids,
+            position_ids=positions,
+            use_cache=True,
+            **{self.cache_keyword: cache},
+            **extra,
+        )
+        cache.finish(self.name)
+        self._check_written(cache)
+        routers = None
+        if router_logits:
+            routers = list(getattr(out, "router_logits", None) or ())
+            if not routers:
+                raise UnsupportedModelError(f"{self.name} returned no router logits.")
+        return Decoded(out.last_hidden_state, cache.new, routers)
+
+    def _check_written(self, cache: RecordingCache) -> None:
+        """Refuse a forward whose layers did not write through the cache what the walk carries."""
+        if not any(cache.new):
+            raise UnsupportedModelError(
+                f"{self.name} ignores the passed KV cache (keyword {self.cache_keyword!r}); the tree walk "
+                "needs a model that attends to a given past."
+            )
+        carried = torch.is_grad_enabled() and any(t.requires_grad for s in cache.incoming for t in s.values())
+        for i, (kind, new) in enumerate(zip(self.cache_kinds, cache.new, strict=True)):
+            # a recurrent state always depends on the one it started from: no graph means no backward
+            lost = [k for k, t in new.items() if k.startswith("recurrent") and not t.requires_grad]
+            if lost and carried:
+                raise UnsupportedModelError(
+                    f"{self.name}: layer {i} returned its {lost[0]} state without an autograd graph (a "
+                    "kernel without backward): gradients through the state would be lost; not supported "
+                    "with this kernel."
+                )
+            if kind in ("attention", "hybrid") and "k" not in new:
+                raise UnsupportedModelError(
+                    f"{self.name}: layer {i} wrote no K/V to the passed cache; models that share or skip K/V "
+                    "across layers are not supported."
+                )
+            if kind in ("state", "hybrid") and not set(new) - set(KV):
+                raise UnsupportedModelError(
+                    f"{self.name}: layer {i} keeps a recurrent or convolution state but wrote none through "
+                    "transformers' cache API (update_conv_state / update_recurrent_state); not supported."
+                )
+
+    def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
+        """LM head logits of ``hidden`` in float32 (float64 for a float64 model), scaled, soft-capped, / T."""
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        if self.lm_head_fp32:
+            with torch.autocast(hidden.device.type, enabled=False):
+                bias = None if self.lm_head.bias is None else self.lm_head.bias.float()
+                z = nn.functional.linear(hidden.float(), self.lm_head.weight.float(), bias)
+        else:  # in the head's dtype, as models whose residual stream is float32 (Mamba2) cast it
+            z = self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        z = z.to(dtype)
+        if self.logit_scale != 1.0:
+            z = z * self.logit_scale
+        if self.softcap is not None:
+            z = self.softcap * torch.tanh(z / self.softcap)
+        return z / temperature if temperature != 1.0 else z

@@ -1,0 +1,172 @@
+"""The construction probe: the walk's own operations on a tiny input, compared with the model's dense forward.
+
+A 13-token sequence is cut the way the walk cuts a trie: a 6-token prefix forwarded as two segments (the
+second on the first's K/V and states), then three sibling leaves of 2-4 tokens on the prefix, one by one and
+as a padded batch, then packed into one row with a hand-made mask. Every forward runs as the walk runs it,
+on a :class:`~trl_dta.walk.path_kv.PathKV`. What each comparison catches:
+
+* the prefix's logits against a dense forward of a longer sequence: a model that is not causal;
+* the first segment's logits: an LM-head transform the walk does not reproduce;
+* the second segment and the leaves: a cache the model ignores, a state it does not carry, anything that
+  depends on how a sequence is cut into calls;
+* packed leaves (only where packing is possible): a model that applies its own window or an attention bias
+  built from key indices (ALiBi). Packing that differs is not refused: leaves are padded instead.
+
+Tolerances are relative (:func:`trl_dta.compare.relative_error`) and per dtype: a structural mistake is
+>= 1e-3, while HF computes eager softmax, RMSNorm and some attention variants in float32 even in a float64
+model, which leaves ~1e-7 between two exact computations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from ..compare import relative_error
+from .cache import expand_states, states_of
+from .errors import UnsupportedModelError
+from .packing import packed_inputs
+from .path_kv import PathKV
+
+logger = logging.getLogger(__name__)
+
+PROBE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+# transformers' state-layer kernels (chunked delta rule, Mamba2 scan) compute in float32 even in a float64
+# model: two exact computations of a float64 hybrid differ like float32 ones (~1e-5 over 13 tokens)
+STATE_DTYPE_FLOOR = torch.float32
+
+_SEQUENCE_LENGTH, _PREFIX, _SPLIT = 13, 6, 4  # the prefix is forwarded as [0, 4) then [4, 6)
+
+
+@contextlib.contextmanager
+def _unsupported_on_failure(name: str):
+    """Turn a model's failure on a given cache into a refusal; the walk's own refusals pass unchanged."""
+    try:
+        yield
+    except UnsupportedModelError:
+        raise
+    except Exception as e:
+        raise UnsupportedModelError(
+            f"{name} fails when run on a given KV cache ({type(e).__name__}: {e}). Models whose layers "
+            "keep another state than K/V (state-space, linear attention), or that cannot take a cache, are "
+            "not supported."
+        ) from e
+
+
+class _Probe:
+    """The probe's input, its dense references and the walk's cache positions."""
+
+    def __init__(self, lm):
+        self.lm, self.name, self.device = lm, lm.name, lm.device
+        dtype = lm.lm_head.weight.dtype
+        self.tolerance = PROBE_TOLERANCE.get(dtype, 5e-2)
+        if lm.has_states and dtype == torch.float64:
+            self.tolerance = PROBE_TOLERANCE[STATE_DTYPE_FLOOR]
+        self.where = f"(relative; tolerance {self.tolerance:g} for {dtype}, autocast off)"
+        vocab = lm.lm_head.weight.shape[0]
+        seq = ((torch.arange(_SEQUENCE_LENGTH, device=self.device) * 7919 + 11) % vocab).tolist()
+        self.prefix, self.leaves = seq[:_PREFIX], [seq[6:8], seq[8:11], seq[9:13]]
+        self.kv = PathKV(capacity=_PREFIX + sum(map(len, self.leaves)))
+
+    def ids(self, tokens) -> torch.Tensor:
+        return torch.tensor(tokens, device=self.device)[None]
+
+    def dense(self, tokens) -> torch.Tensor:
+        # the class's own forward: accelerate (mixed precision) and TRL (fused LM head) patch the instance's
+        # forward, and accelerate's patch turns autocast back on inside it
+        base = self.lm.base
+        out = type(base).forward(base, input_ids=self.ids(tokens), use_cache=False)
+        return out.logits[0].to(torch.float64)
+
+    def logits(self, hidden) -> torch.Tensor:
+        return self.lm.logits(hidden, 1.0)[0].to(torch.float64)
+
+
+@torch.no_grad()
+def probe(lm, try_packing: bool) -> bool:
+    """Run the probe on ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`): raise
+    :class:`UnsupportedModelError` naming the cause if an unpacked path differs from the dense forward;
+    return whether packing sibling leaves is exact (tried only if ``try_packing``)."""
+    p = _Probe(lm)
+    try:
+        dense_leaves = [p.dense(p.prefix + leaf) for leaf in p.leaves]
+        dense_prefix = p.dense(p.prefix)
+    except Exception as e:
+        raise UnsupportedModelError(
+            f"{p.name}'s own forward fails on a plain input of token ids ({type(e).__name__}: {e}); "
+            "not supported."
+        ) from e
+    err = relative_error(dense_prefix, dense_leaves[0][:_PREFIX])
+    if not err <= p.tolerance:
+        raise UnsupportedModelError(
+            f"{p.name} is not causal: its outputs at a position change with later tokens ({err:.2e} "
+            f"{p.where}), as in an encoder or a model configured without a causal mask (e.g. "
+            "is_decoder=False); not supported."
+        )
+    with _unsupported_on_failure(p.name):
+        states = _check_segments(p, dense_prefix, dense_leaves)
+    return try_packing and _packing_is_exact(p, states, dense_leaves)
+
+
+def _check_segments(p: _Probe, dense_prefix, dense_leaves):
+    """The prefix as two segments, then each leaf on it alone and in a padded batch; returns the states the
+    prefix leaves (hybrid models)."""
+    lm = p.lm
+    hidden, first, _ = lm.forward(p.ids(p.prefix[:_SPLIT]), 0, p.kv)
+    err = relative_error(p.logits(hidden), dense_prefix[:_SPLIT])
+    if not err <= p.tolerance:
+        raise UnsupportedModelError(
+            f"{p.name}: its decoder + LM head (with the config's logit scale and soft-capping) differs from "
+            f"the dense forward by {err:.2e} {p.where}: the model transforms its logits in a way the tree "
+            "walk does not reproduce; not supported."
+        )
+    hidden, second, _ = lm.forward(p.ids(p.prefix[_SPLIT:]), _SPLIT, p.kv, states_of(first))
+    errs = [relative_error(p.logits(hidden), dense_prefix[_SPLIT:])]
+    states = states_of(second)
+    for leaf, ref in zip(p.leaves, dense_leaves, strict=True):
+        hidden, _, _ = lm.forward(p.ids(leaf), _PREFIX, p.kv, states)
+        errs.append(relative_error(p.logits(hidden), ref[_PREFIX:]))
+    batch = torch.zeros(len(p.leaves), max(map(len, p.leaves)), dtype=torch.long, device=p.device)
+    for row, leaf in enumerate(p.leaves):
+        batch[row, : len(leaf)] = torch.tensor(leaf, device=p.device)
+    hidden, _, _ = lm.forward(batch, _PREFIX, p.kv, expand_states(states, len(p.leaves)))
+    for row, (leaf, ref) in enumerate(zip(p.leaves, dense_leaves, strict=True)):
+        errs.append(relative_error(p.logits(hidden[row : row + 1, : len(leaf)]), ref[_PREFIX:]))
+    err = max(errs)
+    if not err <= p.tolerance:
+        cause = (
+            "its multi-token kernel does not start from the given state (e.g. Mamba-1 layers restart from "
+            "zero), or it ignores the passed cache"
+            if lm.has_states
+            else f"the model ignores the passed cache (keyword {lm.cache_keyword!r})"
+        )
+        raise UnsupportedModelError(
+            f"{p.name}: a forward on a cached prefix differs from the model's dense forward by {err:.2e} "
+            f"{p.where}: {cause}, or computes something that depends on how the sequence is cut into calls; "
+            "not supported."
+        )
+    return states
+
+
+def _packing_is_exact(p: _Probe, states, dense_leaves) -> bool:
+    lengths = [len(x) for x in p.leaves]
+    try:
+        positions, mask = packed_inputs(lengths, _PREFIX, p.lm.lm_head.weight.dtype, p.device)
+        tokens = p.ids([t for leaf in p.leaves for t in leaf])
+        hidden, _, _ = p.lm.forward(tokens, _PREFIX, p.kv, states, positions=positions, attention_mask=mask)
+        got = p.lm.logits(hidden, 1.0)[0].to(torch.float64).split(lengths)
+        err = max(relative_error(g, ref[_PREFIX:]) for g, ref in zip(got, dense_leaves, strict=True))
+    except Exception as e:  # noqa: BLE001 - e.g. ALiBi built from a 2-D mask fails on a 4-D one
+        logger.info("%s: sibling leaves are forwarded as a padded batch; packing them fails: %r", p.name, e)
+        return False
+    if not err <= p.tolerance:
+        logger.info(
+            "%s: sibling leaves are forwarded as a padded batch; packed into one row they differ from the "
+            "dense forward by %.2e (positions or an attention bias built from key indices, e.g. ALiBi).",
+            p.name,
+            err,
+        )
+        return False
+    return True
