@@ -19,7 +19,7 @@ class TreePPOConfig(GRPOConfig):
             this many tokens (the stack's, plus a block recomputed at pop or a leaf batch of up to
             `tree_batch_tokens`), each costing one token's activations (~2.2 MB for SmolLM2-135M in fp32,
             ~32x what gradient checkpointing keeps per token). Larger is faster on paths longer than it;
-            README "Memory" has measurements.
+            docs/memory.md has measurements.
         tree_batch_tokens (`int` or `None`, defaults to `None`):
             Budget for forwarding sibling leaves together on their shared prefix: their total tokens (they
             are packed into one row with a block-diagonal causal mask on eager/sdpa attention), or rows x

@@ -19,61 +19,23 @@ import torch
 import torch.distributed as dist
 
 from ..partition import lexicographic_partition
-from .rows import batch_rows
+from .rows import PER_TOKEN, PROMPT, batch_rows, concat_batches, take_rows
 
-# per-token fields (right-padded to the completion width) and their padding values
-PER_TOKEN = {
-    "completion_ids": 0,
-    "completion_mask": 0,
-    "tool_mask": 1,
-    "old_per_token_logps": 0.0,
-    "ref_per_token_logps": 0.0,
-    "sampling_per_token_logps": 0.0,
-    "importance_sampling_ratio": 1.0,
-}
 PER_ROW = ("advantages",)
 SAME_ON_ALL_RANKS = ("num_items_in_batch",)
-SUPPORTED = {"prompt_ids", "prompt_mask", *PER_TOKEN, *PER_ROW, *SAME_ON_ALL_RANKS}
-
-
-def _pad(t: torch.Tensor, width: int, value, left: bool = False) -> torch.Tensor:
-    if t.dim() < 2 or t.shape[1] == width or t.shape[1] == 1:  # (B,) or per-sequence (B, 1) fields
-        return t
-    pad = t.new_full((t.shape[0], width - t.shape[1], *t.shape[2:]), value)
-    return torch.cat([pad, t] if left else [t, pad], dim=1)
-
-
-def _concat(batches: list[dict]) -> dict:
-    """One batch from every rank's, padded to common prompt (left) and completion (right) widths."""
-    prompt_width = max(b["prompt_ids"].shape[1] for b in batches)
-    completion_width = max(b["completion_ids"].shape[1] for b in batches)
-    out = {}
-    for key in batches[0]:
-        values = [b[key] for b in batches]
-        if key in SAME_ON_ALL_RANKS:
-            out[key] = values[0]
-        elif key in ("prompt_ids", "prompt_mask"):
-            out[key] = torch.cat([_pad(v, prompt_width, 0, left=True) for v in values])
-        elif key in PER_TOKEN:
-            out[key] = torch.cat([_pad(v, completion_width, PER_TOKEN[key]) for v in values])
-        else:
-            out[key] = torch.cat(values)
-    return out
+SUPPORTED = {*PROMPT, *PER_TOKEN, *PER_ROW, *SAME_ON_ALL_RANKS}
 
 
 def partition_sequences(batch: dict) -> list[list[int]]:
-    """Each row's tokens for partitioning (:func:`trl_dta.rows.batch_rows`; a row without a completion is
-    its prompt, so it stays next to its group)."""
+    """Each row's tokens for partitioning (:func:`trl_dta.train.rows.batch_rows`; a row without a completion
+    is its prompt, so it stays next to its group)."""
     return [row.tokens for row in batch_rows(batch)]
 
 
 def _rows(batch: dict, index: list[int], count: int) -> dict:
     """Rows ``index`` of ``batch``, then zero-weight copies of row ``index[0]`` (or row 0) up to ``count``."""
     filler = index[0] if index else 0
-    take = torch.tensor(index + [filler] * (count - len(index)), dtype=torch.long)
-    out = {}
-    for key, value in batch.items():
-        out[key] = value if key in SAME_ON_ALL_RANKS else value.index_select(0, take.to(value.device))
+    out = take_rows(batch, index + [filler] * (count - len(index)))
     real = len(index)
     out["completion_mask"] = out["completion_mask"].clone()
     out["completion_mask"][real:] = 0
@@ -93,7 +55,7 @@ def repartition(batch: dict, multiple: int = 1) -> tuple[dict, dict]:
     local = {k: v.detach().cpu() for k, v in batch.items()}
     gathered: list[dict | None] = [None] * world
     dist.all_gather_object(gathered, local)
-    merged = _concat(gathered)
+    merged = concat_batches(gathered)
     parts = lexicographic_partition(partition_sequences(merged), world)
     count = max(len(p) for p in parts)
     count = -(-count // multiple) * multiple

@@ -1,17 +1,21 @@
 """``tree_check_gradients``: an optimizer step's gradients by TRL's dense path, compared with the walk's.
 
-:class:`GradientCheck` runs TRL's own ``_compute_loss`` (dense log-prob passes) on the micro-batches of the
-step and backpropagates them, keeps those gradients, and leaves ``.grad`` and TRL's state as it found them
-except that ``.grad`` is cleared, so that the walk that follows writes its gradients alone. :meth:`finish`
-then compares per tensor, puts back the gradients that were there before, and raises on a mismatch.
+:class:`GradientCheck` backpropagates :meth:`TreePPOTrainer.dense_loss` (stock TRL's loss and dense
+log-prob passes, which leave the trainer's metrics and state alone) for each micro-batch of the step, keeps
+those gradients, and clears ``.grad`` so that the walk that follows writes its gradients alone.
+:meth:`GradientCheck.finish` then compares them (:func:`trl_dta.compare.relative_error`), puts back the
+gradients that were there before, and raises on a mismatch.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
-from trl import GRPOTrainer
+
+from ..compare import relative_error
+
+# a parameter whose dense gradient is at most this fraction of the largest entry of all (zero up to rounding)
+# is measured against that largest entry
+TINY = 1e-6
 
 
 class GradientCheck:
@@ -19,47 +23,24 @@ class GradientCheck:
         self.tolerance = tolerance
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.saved = [p.grad for p in self.params]
-        state = (
-            trainer._metrics,
-            trainer.entropy_coef,
-            trainer._entropy_window_stats,
-            trainer._last_world_entropy,
-        )
-        trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-        trainer._tree_dense_passes = True  # TRL's own log-prob passes, with their graph
-        try:
-            for p in self.params:
-                p.grad = None
-            for inputs in batches:
-                GRPOTrainer._compute_loss(trainer, model, inputs).backward()
-            self.dense = [
-                torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in self.params
-            ]
-        finally:
-            trainer._tree_dense_passes = False
-            (
-                trainer._metrics,
-                trainer.entropy_coef,
-                trainer._entropy_window_stats,
-                trainer._last_world_entropy,
-            ) = state
+        for p in self.params:
+            p.grad = None
+        for inputs in batches:
+            trainer.dense_loss(model, inputs).backward()
+        self.dense = [torch.zeros_like(p) if p.grad is None else p.grad.detach().clone() for p in self.params]
         for p in self.params:
             p.grad = None
 
     def finish(self) -> float:
         """Compare the walk's gradients (now in ``.grad``) with the dense ones; restore the earlier ones."""
-        overall = max((d.abs().max().item() for d in self.dense), default=0.0)
-        worst = 0.0
-        for p, ref, before in zip(self.params, self.dense, self.saved, strict=True):
-            tree = p.grad if p.grad is not None else torch.zeros_like(p)
-            scale = max(ref.abs().max().item(), 1e-6 * overall, 1e-30)
-            worst = max(worst, (tree - ref).abs().max().item() / scale)
+        tree = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
+        worst = relative_error(tree, self.dense, tiny=TINY)
+        for p, grad, before in zip(self.params, tree, self.saved, strict=True):
             if before is not None:
-                p.grad = tree + before
+                p.grad = grad + before
         if worst > self.tolerance:
             raise RuntimeError(
                 "tree_check_gradients: the tree walk's gradients differ from the dense path's by "
-                f"{worst:.3e} "
-                f"(relative, worst tensor; tolerance {self.tolerance}). Please report this model."
+                f"{worst:.3e} (relative, worst tensor; tolerance {self.tolerance}). Please report this model."
             )
         return worst

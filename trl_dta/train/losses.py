@@ -141,17 +141,9 @@ class RowLoss:
         per_token_logps = torch.cat([logps, fill.to(logps.dtype)]).unsqueeze(0)
         old = per_token_logps.detach() if old is None else old
 
+        off_policy_mask = None
         if s.off_policy_mask_threshold is not None:
-            from trl import GRPOTrainer
-
-            sampling = self._row("sampling_per_token_logps", i)
-            off_policy_mask = GRPOTrainer.get_off_policy_mask(
-                advantages=advantages,
-                per_token_logps=per_token_logps,
-                sampling_per_token_logps=old if sampling is None else sampling,
-                mask=mask,
-                off_policy_threshold=s.off_policy_mask_threshold,
-            )
+            off_policy_mask = self._off_policy_mask(i, advantages, per_token_logps, old, mask)
 
         log_ratio = per_token_logps - old
         if s.importance_sampling_level == "token":
@@ -168,34 +160,7 @@ class RowLoss:
             if s.use_bias_correction_kl:
                 per_token_kl = per_token_kl * coef_1
 
-        if s.loss_type == "cispo":
-            clamped_ratios = torch.clamp(coef_1, max=s.epsilon_high).detach()
-            per_token_loss = -clamped_ratios * advantages * per_token_logps
-        elif s.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
-            coef_2 = torch.clamp(coef_1, 1 - s.epsilon_low, 1 + s.epsilon_high)
-            if s.delta is not None:
-                coef_1 = torch.clamp(coef_1, max=s.delta)
-            per_token_loss = -torch.min(coef_1 * advantages, coef_2 * advantages)
-        elif s.loss_type == "sapo":
-            temperatures = torch.where(advantages > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
-            per_token_loss = -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * advantages
-        elif s.loss_type == "vespo":
-            from trl import GRPOTrainer
-
-            k_pos, lambda_pos, k_neg, lambda_neg = s.vespo
-            phi_seq = GRPOTrainer.get_gamma_weights(
-                advantages=advantages,
-                log_ratio_per_token=log_ratio,
-                mask=mask,
-                importance_sampling_ratio=self._row("importance_sampling_ratio", i),
-                k_pos=k_pos,
-                lambda_pos=lambda_pos,
-                k_neg=k_neg,
-                lambda_neg=lambda_neg,
-            )
-            per_token_loss = -phi_seq * advantages * per_token_logps
-        else:
-            raise ValueError(f"Unknown loss type: {s.loss_type}")
+        per_token_loss = self._policy_loss(i, coef_1, log_ratio, advantages, per_token_logps, mask)
 
         if s.off_policy_mask_threshold is not None:
             per_token_loss = per_token_loss * off_policy_mask
@@ -217,3 +182,46 @@ class RowLoss:
             row_entropies = torch.cat([entropies, entropies.new_zeros(mask.shape[1] - n)]).unsqueeze(0)
             loss = loss - self.entropy_coef * (row_entropies * effective).sum() / self.entropy_norm
         return loss
+
+    def _off_policy_mask(self, i, advantages, per_token_logps, old, mask) -> torch.Tensor:
+        from trl import GRPOTrainer
+
+        sampling = self._row("sampling_per_token_logps", i)
+        return GRPOTrainer.get_off_policy_mask(
+            advantages=advantages,
+            per_token_logps=per_token_logps,
+            sampling_per_token_logps=old if sampling is None else sampling,
+            mask=mask,
+            off_policy_threshold=self.s.off_policy_mask_threshold,
+        )
+
+    def _policy_loss(self, i, coef_1, log_ratio, advantages, per_token_logps, mask) -> torch.Tensor:
+        """The (1, T) policy-gradient term of the loss type, before masks, importance correction and KL."""
+        s = self.s
+        if s.loss_type == "cispo":
+            clamped_ratios = torch.clamp(coef_1, max=s.epsilon_high).detach()
+            return -clamped_ratios * advantages * per_token_logps
+        elif s.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            coef_2 = torch.clamp(coef_1, 1 - s.epsilon_low, 1 + s.epsilon_high)
+            if s.delta is not None:
+                coef_1 = torch.clamp(coef_1, max=s.delta)
+            return -torch.min(coef_1 * advantages, coef_2 * advantages)
+        elif s.loss_type == "sapo":
+            temperatures = torch.where(advantages > 0, s.sapo_temperature_pos, s.sapo_temperature_neg)
+            return -(torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures) * advantages
+        elif s.loss_type == "vespo":
+            from trl import GRPOTrainer
+
+            k_pos, lambda_pos, k_neg, lambda_neg = s.vespo
+            phi_seq = GRPOTrainer.get_gamma_weights(
+                advantages=advantages,
+                log_ratio_per_token=log_ratio,
+                mask=mask,
+                importance_sampling_ratio=self._row("importance_sampling_ratio", i),
+                k_pos=k_pos,
+                lambda_pos=lambda_pos,
+                k_neg=k_neg,
+                lambda_neg=lambda_neg,
+            )
+            return -phi_seq * advantages * per_token_logps
+        raise ValueError(f"Unknown loss type: {s.loss_type}")

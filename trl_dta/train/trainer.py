@@ -6,52 +6,42 @@ saving. What changes:
 
 * ``compute_loss``: at the first micro-batch of each optimizer step, the rows of *all* the step's
   micro-batches (TRL's buffered, shuffled micro-batches) go into one prefix trie, walked once by
-  :meth:`TreeExecutor.backward`; each row's loss is :class:`~trl_dta.losses.RowLoss` with the constants of
-  the micro-batch TRL put it in, so the accumulated gradient is exactly TRL's, for every loss type. The
-  gradients land in ``.grad`` during the walk. Each micro-batch's ``compute_loss`` then runs TRL's
-  ``_compute_loss`` on that micro-batch's (detached) walk values: it logs TRL's metrics, advances TRL's
+  :meth:`TreeExecutor.backward` (:mod:`trl_dta.train.step`); each row's loss is
+  :class:`~trl_dta.train.losses.RowLoss` with the constants of the micro-batch TRL put it in, so the
+  accumulated gradient is exactly TRL's, for every loss type. The gradients land in ``.grad`` during the
+  walk. Each micro-batch's ``compute_loss`` then runs TRL's ``_compute_loss`` on that micro-batch's
+  (detached) walk values, passed in place of the model: it logs TRL's metrics, advances TRL's
   adaptive-entropy state, and its loss must equal the sum of the micro-batch's row losses (checked). The
   returned loss is that value on a fresh graph leaf, so the Trainer's ``backward`` adds nothing.
 * ``_get_per_token_logps_and_entropies`` (TRL's no-grad passes: old-policy and reference log-probs, over
   the whole generation batch) runs :meth:`TreeExecutor.logprobs` on one trie of the batch.
 * The LM head runs only on completion positions (``score_from``), as TRL's ``logits_to_keep`` does.
+* :meth:`TreePPOTrainer.dense_loss` is stock TRL's dense loss of a micro-batch, for checking the walk
+  (``tree_check_gradients``).
 """
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 from accelerate.utils import DistributedType
 from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
-from ..trie import PrefixTrie
 from ..walk.executor import TreeExecutor
 from . import distributed
 from .config import TreePPOConfig
 from .gradient_check import GradientCheck
 from .load_balancing import load_balancing_loss, node_weights
 from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
-from .rows import batch_rows
+from .rows import concat_batches, take_rows
+from .step import StepLosses, Walked, build_trie, scatter
 
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
-
-
-@dataclass
-class _Walked:
-    """One micro-batch's share of a walk: TRL-shaped (B, T) log-probs and entropies (detached), the MoE aux
-    value, the sum of its row losses and of their magnitudes, and its aux term (coefficient applied)."""
-
-    logps: torch.Tensor
-    entropies: torch.Tensor
-    aux: torch.Tensor | None
-    policy: float
-    magnitude: float
-    aux_term: float = 0.0
 
 
 class TreePPOTrainer(GRPOTrainer):
@@ -90,9 +80,7 @@ class TreePPOTrainer(GRPOTrainer):
         self._tree_check = getattr(a, "tree_check_gradients", False)
         self._tree_check_tolerance = getattr(a, "tree_check_tolerance", TreePPOConfig.tree_check_tolerance)
         self._executors: dict[int, TreeExecutor] = {}
-        self._tree_detached = None  # (logps, entropies, aux) served to TRL's _compute_loss for its metrics
-        self._tree_dense_passes = False  # True while tree_check_gradients runs TRL's dense loss
-        self._tree_pending: dict[int, _Walked] = {}  # walked micro-batches of this step, by buffer index
+        self._tree_pending: dict[int, Walked] = {}  # walked micro-batches of this step, by buffer index
         self._tree_position = 0  # micro-batches of the current optimizer step served so far
         self._tree_lexicographic = getattr(a, "tree_lexicographic_steps", False)
         self._tree_ordered = None  # the buffered micro-batches last put in lexicographic order
@@ -151,43 +139,26 @@ class TreePPOTrainer(GRPOTrainer):
 
     def _lexicographic(self, micro_batches: list[dict]) -> list[dict]:
         """TRL's shuffled micro-batches of a generation batch, re-cut in lexicographic order of the rows."""
-        merged = {}
-        for key, first in micro_batches[0].items():
-            values = [b[key] for b in micro_batches]
-            if isinstance(first, torch.Tensor) and first.ndim > 0:
-                merged[key] = torch.cat(values)
-            elif isinstance(first, list):
-                merged[key] = [x for v in values for x in v]
-            else:  # scalars (num_items_in_batch) and None: the same in every micro-batch
-                merged[key] = first
+        merged = concat_batches(micro_batches)
         seqs = distributed.partition_sequences(merged)
         order = sorted(range(len(seqs)), key=seqs.__getitem__)
-        index = torch.tensor(order, device=merged["prompt_ids"].device)
-        for key, value in merged.items():
-            if isinstance(value, torch.Tensor) and value.ndim > 0:
-                merged[key] = value.index_select(0, index.to(value.device))
-            elif isinstance(value, list):
-                merged[key] = [value[i] for i in order]
-        return split_tensor_dict(merged, len(micro_batches))
+        return split_tensor_dict(take_rows(merged, order), len(micro_batches))
 
-    # ------------------------------------------------------------------ TRL's no-grad log-prob passes
+    # ------------------------------------------------------------------ TRL's log-prob passes
     def _get_per_token_logps_and_entropies(
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **multimodal,
     ):  # fmt: skip
-        if self._tree_dense_passes:
+        """TRL's no-grad log-prob passes (old policy, reference model) through one trie of the batch. Called
+        by TRL's ``_compute_loss`` with a :class:`Walked` or :class:`_DensePass` in place of the model (see
+        :meth:`_trl_loss`, :meth:`dense_loss`): the walk's values, or TRL's own dense pass."""
+        if isinstance(model, Walked):
+            return model.logps, model.entropies, model.aux
+        if isinstance(model, _DensePass):
             return super()._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                **multimodal,
-            )
-        if self._tree_detached is not None:  # TRL's _compute_loss, run for its metrics on the walk's values
-            return self._tree_detached
+                model.module, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal,
+            )  # fmt: skip
         if any(multimodal.get(k) is not None for k in _MULTIMODAL):
             raise ValueError("multimodal inputs are not supported by the tree walk.")
         if torch.is_grad_enabled():
@@ -199,38 +170,19 @@ class TreePPOTrainer(GRPOTrainer):
             "completion_ids": input_ids[:, prompt_len:],
             "completion_mask": attention_mask[:, prompt_len:],
         }
-        trie, owners = self._trie([batch])
-        logps = torch.zeros(input_ids.shape[0], logits_to_keep, device=input_ids.device)
-        entropies = torch.zeros_like(logps) if compute_entropy else None
-        if trie is not None:
-            with self.accelerator.autocast():
-                out = self._executor(model).logprobs(
-                    trie,
-                    self.temperature,
-                    entropies=compute_entropy,
-                    score_from=[p - 1 for _, _, p in owners],
-                )
-            lps, ents = out if compute_entropy else (out, None)
-            for k, (_, i, _) in enumerate(owners):
-                logps[i, : lps[k].numel()] = lps[k]
-                if compute_entropy:
-                    entropies[i, : ents[k].numel()] = ents[k]
+        trie, owners = build_trie([batch], keep_prompt_only=self.aux_loss_enabled)
+        shape = [(input_ids.shape[0], logits_to_keep)]
+        if trie is None:
+            logps = torch.zeros(shape[0], device=input_ids.device)
+            return logps, (torch.zeros_like(logps) if compute_entropy else None), None
+        with self.accelerator.autocast():
+            out = self._executor(model).logprobs(
+                trie, self.temperature, entropies=compute_entropy, score_from=_score_from(owners)
+            )
+        lps, ents = out if compute_entropy else (out, None)
+        logps = scatter(lps, owners, shape, input_ids.device)[0]
+        entropies = scatter(ents, owners, shape, input_ids.device)[0] if compute_entropy else None
         return logps, entropies, None
-
-    def _trie(self, batches: list[dict]):
-        """One trie of the rows of ``batches``, and per trie sequence its (batch, row, prompt length). Rows
-        with no completion token have no loss and are left out, except for MoE models: TRL's load-balancing
-        loss counts every token of the attention mask, the prompt of such a row too."""
-        seqs, owners = [], []
-        for b, inputs in enumerate(batches):
-            for i, row in enumerate(batch_rows(inputs)):
-                if row.prompt_length == 0 or (row.completion_length == 0 and not self.aux_loss_enabled):
-                    continue
-                if len(row.tokens) < 2:
-                    raise ValueError(f"row {i} has a single token; the tree walk needs at least two per row.")
-                seqs.append(row.tokens)
-                owners.append((b, i, row.prompt_length))
-        return (PrefixTrie.from_sequences(seqs) if seqs else None), owners
 
     # ------------------------------------------------------------------ the training loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -246,7 +198,7 @@ class TreePPOTrainer(GRPOTrainer):
             walked = self._walked_in_step(model, inputs)
         else:
             walked = self._walk(model, [inputs], training=False)[0]
-        loss = self._trl_loss(model, inputs, walked)
+        loss = self._trl_loss(inputs, walked)
         if mode == "train" and torch.is_grad_enabled():
             if self._multi_process and self.accelerator.sync_gradients:
                 # the walk ran on the unwrapped module (no DDP hooks): average the accumulated gradients once
@@ -254,7 +206,7 @@ class TreePPOTrainer(GRPOTrainer):
             return torch.zeros((), device=loss.device, requires_grad=True) + loss  # gradients are in .grad
         return loss
 
-    def _walked_in_step(self, model, inputs) -> _Walked:
+    def _walked_in_step(self, model, inputs) -> Walked:
         """This micro-batch's share of the walk of its optimizer step: at the step's first micro-batch, walk
         every micro-batch of the step that TRL has buffered (a step that runs past the end of a generation
         batch is walked in two parts), then serve the results one micro-batch at a time. A micro-batch that
@@ -294,90 +246,70 @@ class TreePPOTrainer(GRPOTrainer):
         rows = self.args.per_device_train_batch_size if (self._repartition and training) else None
         return RowLoss(self._loss_settings, inputs, accumulation, entropy_mask, entropy_coef, training, rows)
 
-    def _walk(self, model, batches: list[dict], training: bool) -> list[_Walked]:
+    def _walk(self, model, batches: list[dict], training: bool) -> list[Walked]:
         """Walk one trie of the rows of ``batches`` (backward in training, log-probs in evaluation), each row
         with its own micro-batch's loss; return each micro-batch's share."""
         started = time.perf_counter()
-        trie, owners = self._trie(batches)
-        shapes = [b["completion_ids"].shape for b in batches]
-        device = batches[0]["completion_ids"].device
-        logps = [torch.zeros(s, device=device) for s in shapes]
-        entropies = [torch.zeros(s, device=device) for s in shapes]
-        totals = [[] for _ in batches]
-        magnitudes = [[] for _ in batches]
-        auxes, aux_terms = [None] * len(batches), [0.0] * len(batches)
-        score_from = [p - 1 for _, _, p in owners]  # the completion's log-probs: positions after the prompt
+        trie, owners = build_trie(batches, keep_prompt_only=self.aux_loss_enabled)
         executor = self._executor(model) if trie is not None else None
-
-        quantile = None
-        if self.top_entropy_quantile < 1.0 and trie is not None:  # one no-grad pass for every micro-batch
-            quantile = [torch.zeros(s, device=device) for s in shapes]
-            with torch.no_grad(), self.accelerator.autocast():
-                _, ents = executor.logprobs(trie, self.temperature, entropies=True, score_from=score_from)
-            for (b, i, _), ent in zip(owners, ents, strict=True):
-                quantile[b][i, : ent.numel()] = ent
+        quantile = self._step_entropies(executor, trie, owners, batches)
         row_losses = [
             self._row_loss(inputs, training, None if quantile is None else quantile[b])
             for b, inputs in enumerate(batches)
         ]
-
-        def loss_fn(index, lp, ent):
-            b, i, _ = owners[index]
-            n = lp.numel()
-            if n == 0:  # a prompt-only row, kept for the MoE load-balancing loss: no policy loss
-                return lp.new_zeros(())
-            logps[b][i, :n], entropies[b][i, :n] = lp.detach(), ent.detach()
-            loss = row_losses[b](i, lp, ent)
-            totals[b].append(loss.detach())
-            magnitudes[b].append(loss.detach().abs())
-            return loss
-
+        losses = StepLosses(batches, owners, row_losses)
+        auxes, aux_terms = [None] * len(batches), [0.0] * len(batches)
         if trie is not None:
+            score_from = _score_from(owners)
             with self.accelerator.autocast():
                 router_grad = None
-                if self.aux_loss_enabled:  # MoE: TRL's load-balancing loss, exactly (trl_dta/router_loss.py)
-                    router_grad = self._router_grad(
-                        executor, trie, owners, len(batches), training, auxes, aux_terms
-                    )
+                if self.aux_loss_enabled:  # MoE: TRL's load-balancing loss, exactly (load_balancing.py)
+                    router_grad = self._router_grad(executor, trie, owners, training, auxes, aux_terms)
                 if training:
                     executor.backward(
-                        trie,
-                        loss_fn,
-                        self.temperature,
-                        entropies=True,
-                        router_grad=router_grad,
+                        trie, losses, self.temperature, entropies=True, router_grad=router_grad,
                         score_from=score_from,
-                    )
+                    )  # fmt: skip
                 else:
                     lps, ents = executor.logprobs(
                         trie, self.temperature, entropies=True, score_from=score_from
                     )
                     for k, (lp, ent) in enumerate(zip(lps, ents, strict=True)):
-                        loss_fn(k, lp, ent)
-            metrics = self._metrics["train" if training else "eval"]
-            metrics["tree/tokens"].append(float(trie.num_tokens))
-            metrics["tree/unique_tokens"].append(float(trie.num_unique_tokens))
-            metrics["tree/dedup_ratio"].append(trie.dedup_ratio)
-            metrics["tree/time"].append(time.perf_counter() - started)
+                        losses(k, lp, ent)
+            self._log_trie(trie, "train" if training else "eval", time.perf_counter() - started)
         if self.aux_loss_enabled:
-            auxes = [torch.zeros((), device=device) if a is None else a for a in auxes]
-        return [
-            _Walked(
-                lp, ent, aux, float(sum(t.double() for t in tot)), float(sum(m.double() for m in mag)), term
-            )
-            for lp, ent, aux, tot, mag, term in zip(
-                logps, entropies, auxes, totals, magnitudes, aux_terms, strict=True
-            )
-        ]
+            auxes = [
+                torch.zeros((), device=batches[0]["completion_ids"].device) if a is None else a for a in auxes
+            ]
+        return losses.results(auxes, aux_terms)
 
-    def _router_grad(self, executor, trie, owners, num_batches, training, auxes, aux_terms):
+    def _step_entropies(self, executor, trie, owners, batches) -> list[torch.Tensor] | None:
+        """``top_entropy_quantile`` couples a micro-batch's rows through their entropies: one no-grad pass
+        computes them for every micro-batch before the walk (None when the option is off)."""
+        if self.top_entropy_quantile >= 1.0 or trie is None:
+            return None
+        with torch.no_grad(), self.accelerator.autocast():
+            _, ents = executor.logprobs(
+                trie, self.temperature, entropies=True, score_from=_score_from(owners)
+            )
+        shapes = [b["completion_ids"].shape for b in batches]
+        return scatter(ents, owners, shapes, batches[0]["completion_ids"].device)
+
+    def _log_trie(self, trie, mode: str, seconds: float) -> None:
+        metrics = self._metrics[mode]
+        metrics["tree/tokens"].append(float(trie.num_tokens))
+        metrics["tree/unique_tokens"].append(float(trie.num_unique_tokens))
+        metrics["tree/dedup_ratio"].append(trie.dedup_ratio)
+        metrics["tree/time"].append(seconds)
+
+    def _router_grad(self, executor, trie, owners, training, auxes, aux_terms):
         """Each micro-batch's load-balancing loss (into ``auxes``, times its coefficient into ``aux_terms``)
         and the summed per-node vectors the walk backpropagates."""
         stats = executor.router_stats(trie)
         scale = self.router_aux_loss_coef / (self.current_gradient_accumulation_steps if training else 1)
         router_grad = {}
-        for b in range(num_batches):
-            weights = node_weights(trie, [k for k, owner in enumerate(owners) if owner[0] == b])
+        for b in range(len(auxes)):
+            weights = node_weights(trie, [k for k, owner in enumerate(owners) if owner.batch == b])
             if not weights:
                 continue
             auxes[b], v = load_balancing_loss(stats, weights, executor.lm.num_experts)
@@ -386,11 +318,10 @@ class TreePPOTrainer(GRPOTrainer):
                 router_grad[node] = router_grad.get(node, 0) + scale * x
         return router_grad
 
-    def _trl_loss(self, model, inputs, walked: _Walked) -> torch.Tensor:
+    def _trl_loss(self, inputs, walked: Walked) -> torch.Tensor:
         """TRL's own loss of the micro-batch on the walk's values (its metrics and state), checked against the
         walk's row losses: a guard against TRL changing its loss under ``RowLoss``."""
-        with self._serve_detached(walked.logps, walked.entropies, walked.aux):
-            loss = GRPOTrainer._compute_loss(self, model, inputs).detach()
+        loss = GRPOTrainer._compute_loss(self, walked, inputs).detach()  # walked stands in for the model
         total = walked.policy + walked.aux_term
         expected = total  # what TRL's _compute_loss must give on these values
         rows, configured = inputs["completion_mask"].shape[0], self.args.per_device_train_batch_size
@@ -401,16 +332,38 @@ class TreePPOTrainer(GRPOTrainer):
             expected = walked.policy * configured / rows + walked.aux_term
         if abs(float(loss) - expected) > 1e-4 * walked.magnitude + 1e-7:  # fp32 rounding of a sum of terms
             raise RuntimeError(
-                f"TRL's loss on the walk's log-probs ({float(loss):.8g}) differs from the sum of the "
-                "per-row losses "
-                f"({expected:.8g}): trl_dta's RowLoss no longer mirrors this TRL version's loss."
+                f"TRL's loss on the walk's log-probs ({float(loss):.8g}) differs from the sum of the per-row "
+                f"losses ({expected:.8g}): trl_dta's RowLoss no longer mirrors this TRL version's loss."
             )
         return torch.tensor(total, device=loss.device, dtype=loss.dtype) if padded else loss
 
+    # ------------------------------------------------------------------ the dense path, for checking
+    def dense_loss(self, model, inputs: dict) -> torch.Tensor:
+        """TRL's own loss of one micro-batch through stock ``GRPOTrainer``'s dense forward (with its graph),
+        leaving this trainer's metrics and adaptive-entropy state as they were: what ``tree_check_gradients``
+        (and anyone checking the walk) compares the walk's gradients against."""
+        with self._state_kept():
+            return GRPOTrainer._compute_loss(self, _DensePass(model), inputs)
+
     @contextmanager
-    def _serve_detached(self, logps, entropies, aux):
-        self._tree_detached = (logps, entropies, aux)
+    def _state_kept(self):
+        """Run TRL's loss without logging its metrics or advancing its adaptive-entropy state."""
+        state = (self._metrics, self.entropy_coef, self._entropy_window_stats, self._last_world_entropy)
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         try:
             yield
         finally:
-            self._tree_detached = None
+            self._metrics, self.entropy_coef, self._entropy_window_stats, self._last_world_entropy = state
+
+
+class _DensePass:
+    """Stands in for the model in TRL's ``_compute_loss``: its log-prob pass then runs TRL's own dense
+    forward of ``module`` (:meth:`TreePPOTrainer.dense_loss`)."""
+
+    def __init__(self, module):
+        self.module = module
+
+
+def _score_from(owners) -> list[int]:
+    """Each sequence's first scored log-prob index: the completion's, right after the prompt."""
+    return [owner.prompt_length - 1 for owner in owners]

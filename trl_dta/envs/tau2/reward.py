@@ -77,7 +77,6 @@ def episode_reward(
         made (``db_match``, ``env_assertions``, ``actions``, ``communicate``) or ``note``.
     """
     from tau2.data_model.message import ToolCall
-    from tau2.data_model.tasks import RewardType
 
     crit = task.evaluation_criteria
     gold = list(crit.actions or []) if crit else []
@@ -90,32 +89,7 @@ def episode_reward(
     elif crit is None:
         task_reward = 1.0
     else:
-        basis = set(crit.reward_basis)
-        task_reward = 1.0
-        if basis & {RewardType.DB, RewardType.ENV_ASSERTION}:
-            env_reward = 1.0
-            if crit.actions is not None or crit.env_assertions is not None:
-                db_match = db_hashes() == gold_hashes(d, task)
-                info["db_match"] = db_match
-                if RewardType.DB in basis:
-                    env_reward *= float(db_match)
-                if RewardType.ENV_ASSERTION in basis:
-                    held = all(
-                        environment().run_env_assertion(a, raise_assertion_error=False)
-                        for a in crit.env_assertions or []
-                    )
-                    info["env_assertions"] = held
-                    env_reward *= float(held)
-            task_reward *= env_reward
-        if RewardType.ACTION in basis:
-            matched = all(any(a.compare_with_tool_call(tc) for tc in tool_calls) for a in gold)
-            info["actions"] = matched
-            task_reward *= float(matched)
-        if RewardType.COMMUNICATE in basis:
-            said = [m.lower().replace(",", "") for m in agent_messages]
-            communicated = all(any(s.lower() in m for m in said) for s in crit.communicate_info or [])
-            info["communicate"] = communicated
-            task_reward *= float(communicated)
+        task_reward = _task_reward(d, task, tool_calls, agent_messages, db_hashes, environment, info)
     matched_gold = sum(any(a.compare_with_tool_call(tc) for tc in ok_calls) for a in gold)
     gold_fraction = matched_gold / len(gold) if gold else 0.0
     valid_fraction = len(ok_calls) / len(tool_calls) if tool_calls else 0.0
@@ -128,3 +102,38 @@ def episode_reward(
         reward=task_reward + shaping_term,
     )
     return info
+
+
+def _task_reward(d: Domain, task, tool_calls, agent_messages, db_hashes, environment, info: dict) -> float:
+    """τ²'s task reward: the product of the checks of the task's reward basis (each recorded in ``info``)."""
+    from tau2.data_model.tasks import RewardType
+
+    crit = task.evaluation_criteria
+    gold = list(crit.actions or [])
+    basis = set(crit.reward_basis)
+    task_reward = 1.0
+    if basis & {RewardType.DB, RewardType.ENV_ASSERTION}:
+        env_reward = 1.0
+        if crit.actions is not None or crit.env_assertions is not None:
+            db_match = db_hashes() == gold_hashes(d, task)
+            info["db_match"] = db_match
+            if RewardType.DB in basis:
+                env_reward *= float(db_match)
+            if RewardType.ENV_ASSERTION in basis:
+                held = all(
+                    environment().run_env_assertion(a, raise_assertion_error=False)
+                    for a in crit.env_assertions or []
+                )
+                info["env_assertions"] = held
+                env_reward *= float(held)
+        task_reward *= env_reward
+    if RewardType.ACTION in basis:
+        matched = all(any(a.compare_with_tool_call(tc) for tc in tool_calls) for a in gold)
+        info["actions"] = matched
+        task_reward *= float(matched)
+    if RewardType.COMMUNICATE in basis:
+        said = [m.lower().replace(",", "") for m in agent_messages]
+        communicated = all(any(s.lower() in m for m in said) for s in crit.communicate_info or [])
+        info["communicate"] = communicated
+        task_reward *= float(communicated)
+    return task_reward
