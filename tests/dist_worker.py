@@ -10,12 +10,10 @@ import os
 import sys
 
 import torch
+from trl import GRPOConfig, GRPOTrainer
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-
-from trl_dta import TreePPOConfig, TreePPOTrainer  # noqa: E402
-from trl_dta.testing.grpo import GradRecorder, ScriptedGenerationMixin, make_config, make_trainer  # noqa: E402
+from trl_dta import TreePPOConfig, TreePPOTrainer
+from trl_dta.testing.grpo import GradRecorder, ScriptedGenerationMixin, make_config, make_trainer
 
 BATCH = dict(
     per_device_train_batch_size=8, num_generations=4, learning_rate=2.0, num_iterations=2, max_steps=2

@@ -8,7 +8,7 @@ from conftest import VOCAB, cached_model, dense_grads, dense_logps, grads_of, ma
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trl_dta import PrefixTrie, TreeExecutor
+from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError
 from trl_dta.walk.cache import PathLayer
 from trl_dta.walk.path_kv import PathKV
 
@@ -174,7 +174,7 @@ def test_probe_rejects_an_ignored_cache(monkeypatch):
 
     model = make_model("qwen3", "sdpa")
     monkeypatch.setattr(CausalLM, "_cache_keyword", lambda self: "unused_cache_keyword")
-    with pytest.raises(ValueError, match="ignores the passed KV cache"):
+    with pytest.raises(UnsupportedModelError, match="ignores the passed KV cache"):
         TreeExecutor(model)
 
 
@@ -211,3 +211,35 @@ def test_score_from_matches_dense(family, attn, seqs, block_size, batch_tokens, 
     with torch.no_grad():
         for i, seq in enumerate(seqs):
             torch.testing.assert_close(logps[i], dense_logps(model, seq)[0][froms[i] :], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("inner", ["logprobs", "backward"])
+def test_a_loss_that_walks_another_trie_on_the_same_executor(inner):
+    """Each call keeps its walk state to itself: a loss_fn that walks another trie on the same executor (with
+    or without gradients) leaves the outer walk exact, and the inner walk is exact too."""
+    model = cached_model("qwen3", "sdpa")
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 9, 10, 11], [1, 2, 3, 4, 12]]
+    others = [[5, 6, 7, 8], [5, 6, 9], [13, 6, 7]]
+    outer, inner_fn = loss_fn_for(seqs, use_entropy=True), loss_fn_for(others, use_entropy=False, seed=1)
+    executor = TreeExecutor(model, block_size=3, batch_tokens=4)
+    inner_logps = []
+
+    def loss_fn(i, logps, entropies):
+        other = PrefixTrie.from_sequences(others)
+        if inner == "logprobs":
+            inner_logps.append(executor.logprobs(other))
+        else:
+            executor.backward(other, inner_fn)
+        return outer(i, logps, entropies)
+
+    ref, _ = dense_grads(model, seqs, outer)
+    if inner == "backward":  # the inner walks' gradients, once per outer sequence, land in .grad as well
+        extra, _ = dense_grads(model, others, inner_fn)
+        ref = {k: v + len(seqs) * extra[k] for k, v in ref.items()}
+    got, _ = tree_grads(executor, model, PrefixTrie.from_sequences(seqs), loss_fn, 1.0, True)
+    assert max_rel_diff(got, ref) < TIGHT
+    with torch.no_grad():
+        dense_inner = [dense_logps(model, s)[0] for s in others]
+    for logps in inner_logps:
+        for lp, ref_lp in zip(logps, dense_inner, strict=True):
+            torch.testing.assert_close(lp, ref_lp, rtol=0, atol=1e-12)

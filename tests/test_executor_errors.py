@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import dense_grads, grads_of, make_model, max_rel_diff
 
-from trl_dta import PrefixTrie, TreeExecutor
+from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
 
@@ -49,7 +49,7 @@ def test_gradient_checkpointing_is_suspended_and_restored():
 def test_unsupported_attention_implementation():
     model = make_model("qwen3", "sdpa")
     model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ValueError, match="attention implementation 'flex_attention'"):
+    with pytest.raises(UnsupportedModelError, match="attention implementation 'flex_attention'"):
         TreeExecutor(model)
 
 
@@ -64,14 +64,14 @@ def test_router_grad_is_refused_for_a_dense_model():
 def test_sequences_longer_than_sliding_window_are_refused():
     model = make_model("qwen3", "sdpa", use_sliding_window=True, sliding_window=5, max_window_layers=0)
     executor = TreeExecutor(model)
-    with pytest.raises(ValueError, match="sliding window"):
+    with pytest.raises(UnsupportedModelError, match="sliding window"):
         executor.backward(PrefixTrie.from_sequences(SEQS), loss_fn)
     executor.logprobs(PrefixTrie.from_sequences([[1, 2, 3], [1, 2, 4, 5]]))  # within the window: fine
 
 
 def test_model_without_lm_head_is_refused():
     model = make_model("qwen3", "sdpa").model  # the bare decoder
-    with pytest.raises(ValueError, match="not a decoder"):
+    with pytest.raises(UnsupportedModelError, match="not a decoder"):
         TreeExecutor(model)
 
 
@@ -92,6 +92,30 @@ def test_probe_catches_a_logit_transform_not_reproduced():
     model = make_model("qwen3", "sdpa")
     executor = TreeExecutor(model)
     model.config.final_logit_softcapping = 2.0  # the model itself does not apply it: the probe must object
-    with pytest.raises(ValueError, match="dense forward"):
+    with pytest.raises(UnsupportedModelError, match="dense forward"):
         TreeExecutor(model)
     executor.lm.probe()  # the executor made before the change still matches the model
+
+
+def test_a_model_failing_on_a_given_cache_is_refused_by_type(monkeypatch):
+    """Whatever a model raises on the walk's cache becomes an UnsupportedModelError naming the failure; the
+    walk's own refusals pass through unchanged (told apart by type, not by where they were raised)."""
+    from trl_dta.walk.model import CausalLM
+
+    forward = CausalLM.forward
+
+    def failing(self, input_ids, start, *args, **kwargs):
+        if start:  # only a forward on a cached prefix fails
+            raise IndexError("index 7 is out of bounds")
+        return forward(self, input_ids, start, *args, **kwargs)
+
+    monkeypatch.setattr(CausalLM, "forward", failing)
+    with pytest.raises(UnsupportedModelError, match="fails when run on a given KV cache .IndexError"):
+        TreeExecutor(make_model("qwen3", "sdpa"))
+
+    def refusing(self, input_ids, start, *args, **kwargs):
+        raise UnsupportedModelError("a refusal of the walk's own")
+
+    monkeypatch.setattr(CausalLM, "forward", refusing)
+    with pytest.raises(UnsupportedModelError, match="^a refusal of the walk's own$"):
+        TreeExecutor(make_model("qwen3", "sdpa"))

@@ -1,5 +1,5 @@
-"""The offline GRPOTrainer fixture (tests/grpo_setup.py): scripted multi-turn tool rollouts whose groups share
-the prompt and the whole first tool-call turn, recorded gradients, and bit-identical repeated runs."""
+"""The offline GRPOTrainer fixture (trl_dta/testing/grpo.py): scripted multi-turn tool rollouts whose groups
+share the prompt and the whole first tool-call turn, recorded gradients, and bit-identical repeated runs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The walk schedule (trl_dta/plan.py) on its own: packed subtrees, and the scoring helpers they need."""
+"""The walk schedule (trl_dta/walk/plan.py) on its own: packed subtrees, and the scoring helpers they need."""
 
 from __future__ import annotations
 
