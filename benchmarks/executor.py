@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py
 import common
 
 from trl_dta import PrefixTrie, TreeExecutor
+from trl_dta.compare import relative_error
 from trl_dta.testing.memory import SavedTensorMeter
 
 VOCAB = 32_000
@@ -189,11 +190,8 @@ def run_size(name, shape, model, executor, args):
         raise SystemExit(f"[{name}] tree and dense give gradients to different parameters; aborting")
     # per tensor, relative to its largest entry; tensors whose gradient is tiny next to the largest one (the
     # hybrid's decay gates, ~4e-4 of it: sums of cancelling terms through float32 kernels, where two exact
-    # computations differ by ~2e-3 of their own size) against 1e-3 of the largest
-    overall = max(r.abs().max().item() for r in ref.values())
-    err = max(
-        (got[k] - ref[k]).abs().max().item() / max(ref[k].abs().max().item(), 1e-3 * overall) for k in ref
-    )
+    # computations differ by ~2e-3 of their own size) against the largest
+    err = relative_error(got, ref, tiny=1e-3)
     if not err < 1e-3:
         raise SystemExit(f"[{name}] tree and dense gradients differ (max relative error {err:.2e}); aborting")
 

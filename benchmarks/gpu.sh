@@ -55,17 +55,17 @@ install_wheel prefix_grouper 'prefix_grouper-*.whl' || { echo "prefix-grouper is
 install_wheel flash_attn 'flash_attn-*.whl' || echo "flash-attn: not installed, sdpa only"
 
 # ---- 2. environment and the plan
-for f in "$PEERS" benchmarks/common.py; do
+for f in "$PEERS" benchmarks/common.py benchmarks/peer_bench/__init__.py; do
     test -f "$f" || { echo "missing $f"; exit 1; }
 done
-"$PY" -m py_compile "$PEERS" benchmarks/common.py
+"$PY" -m py_compile "$PEERS" benchmarks/common.py benchmarks/peer_bench/*.py
 bash -n "${BASH_SOURCE[0]}"
 "$PY" - <<'PY' | tee "$OUT_DIR/env.txt"
 import sys, time
 t = time.perf_counter()
 import trl_dta
 from trl_dta import PrefixTrie, TreeExecutor  # the executor path: torch + transformers, never TRL
-from trl_dta.memory import SavedTensorMeter  # noqa: F401
+from trl_dta.testing.memory import SavedTensorMeter  # noqa: F401
 assert "trl" not in sys.modules, "the executor path imported TRL"
 print(f"import trl_dta + executor: {time.perf_counter() - t:.2f} s, TRL not imported")
 import torch, transformers, prefix_grouper

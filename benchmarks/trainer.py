@@ -3,7 +3,7 @@
     python benchmarks/trainer.py [--quick] [--case tau2-ga1|tau2-ga4|tau2-ga8|long-prompt-ga4] [--steps 4]
                                  [--threads 2]
 
-Four trainers, same initial weights, same scripted batches (tests/grpo_setup.py: every rollout of a group
+Four trainers, same initial weights, same scripted batches (trl_dta/testing/grpo.py: every rollout of a group
 shares the system prompt + tool schemas, the user turn and a first tool-call turn with its tool response,
 then gives its own final answer), same config otherwise:
 
@@ -69,7 +69,6 @@ import trl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's trl_dta
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # the offline GRPO fixture
 from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 

@@ -6,9 +6,9 @@ several block sizes, against a dense forward/backward of the 4 rows with and wit
     python benchmarks/walk_memory.py [--runs tree:2048,tree:512,tree:256,dense+ckpt] [--threads 2]
 
 Per run: ``saved MiB``, the peak of the tensors autograd keeps for backward
-(``trl_dta.memory.SavedTensorMeter``; views and tensors saved by several ops count once per save, so this
-overstates shared storage such as a mask every layer saves); ``RSS MiB``, the process's peak resident memory
-during the forward/backward minus its resident memory just before (the model and its gradients are
+(``trl_dta.testing.memory.SavedTensorMeter``; views and tensors saved by several ops count once per save, so
+this overstates shared storage such as a mask every layer saves); ``RSS MiB``, the process's peak resident
+memory during the forward/backward minus its resident memory just before (the model and its gradients are
 allocated before); ``s``, wall time. ``dense`` (no checkpointing) needs ~48 GB here and is not run by default.
 
 Why the walk holds what it holds: every token forwarded with a graph keeps ~30 layers x ~74 KB of

@@ -12,6 +12,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen3 import modeling_qwen3
 
+from trl_dta.compare import relative_error
+
 VOCAB = 61
 # Tiny models: one thread is faster, and it keeps the tests' many small ops from stalling when another
 # process shares the cores (with 2 threads each op waits for the second thread to be scheduled).
@@ -63,16 +65,12 @@ def grads_of(model):
 
 
 def max_rel_diff(a: dict, b: dict) -> float:
-    """max over tensors of max|a - b| / max|b|; a tensor whose reference gradient is zero up to rounding
-    (e.g. q/k projections when every query sees one key) is measured against the largest gradient instead."""
-    assert a.keys() == b.keys(), sorted(a.keys() ^ b.keys())
-    overall = max(v.abs().max().item() for v in b.values())
+    """max over tensors of max|a - b| / max|b| (``trl_dta.compare.relative_error``); a tensor whose reference
+    gradient is zero up to rounding (e.g. q/k projections when every query sees one key) is measured against
+    the largest gradient instead. An all-zero reference fails: the comparison would prove nothing."""
+    overall = max((v.abs().max().item() for v in b.values() if v.numel()), default=0.0)
     assert overall > 0, "the reference gradients are all zero: the comparison would prove nothing"
-    errs = []
-    for k in a:
-        scale = b[k].abs().max().item()
-        errs.append((a[k] - b[k]).abs().max().item() / (scale if scale > 1e-9 * overall else overall))
-    return max(errs)
+    return relative_error(a, b, tiny=1e-9)
 
 
 def _rmsnorm_in_input_dtype(self, hidden_states):
@@ -107,8 +105,8 @@ def fp64_exact():
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
-    """The trainer tests' tiny Qwen3 (tests/grpo_setup.py) saved once: trainers, TRL's reference model (for
-    beta > 0) and subprocess workers load it by path."""
+    """The trainer tests' tiny Qwen3 (trl_dta/testing/grpo.py) saved once: trainers, TRL's reference model
+    (for beta > 0) and subprocess workers load it by path."""
     from trl_dta.testing.grpo import tiny_model
 
     path = tmp_path_factory.mktemp("tiny_qwen3")

@@ -1,27 +1,24 @@
 """Every causal-LM architecture of transformers is exact under the tree walk or refused with its cause.
 
-The quick subset of ``benchmarks/arch_sweep.py`` runs here: one model type per behaviour the walk must
-get right (attention windows of each kind, chunked attention, ALiBi, index-sliced local attention, learned
-positions, length-dependent RoPE, MLA, hybrids with carried states, encoders). Each compares log-probs and
-gradients of the walk (chunked and packed) with the model's own dense forward/backward, and checks what
-happens to sequences longer than the model's window. The full sweep (every model type, fp64/fp32 x
-eager/sdpa, LoRA) is the slow test at the end; it also writes the README's table.
+The quick subset of ``benchmarks/arch_sweep.py`` runs here (the tiny models of
+``trl_dta.testing.architectures``, the check of ``trl_dta.testing.exactness``): one model type per behaviour
+the walk must get right (attention windows of each kind, chunked attention, ALiBi, index-sliced local
+attention, learned positions, length-dependent RoPE, MLA, hybrids with carried states, encoders). Each
+compares log-probs and gradients of the walk (chunked and packed) with the model's own dense
+forward/backward, and checks what happens to sequences longer than the model's window. The full sweep
+(every model type, fp64/fp32 x eager/sdpa, LoRA) is the slow test at the end; the table in
+docs/supported-models.md is its output (``benchmarks/arch_sweep.py --table docs/supported-models.md``).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import arch_sweep
-
 from trl_dta import PrefixTrie, TreeExecutor
+from trl_dta.testing import architectures, exactness
 from trl_dta.walk.model import CausalLM
 
 # case -> (verdict, what happens to sequences longer than the window, sibling leaves packed, reason)
@@ -51,14 +48,14 @@ EXPECTED = {
 
 
 def test_quick_subset_is_listed():
-    assert set(EXPECTED) == set(arch_sweep.QUICK)
+    assert set(EXPECTED) == set(architectures.QUICK)
 
 
-@pytest.mark.parametrize("label", arch_sweep.QUICK)
+@pytest.mark.parametrize("label", architectures.QUICK)
 def test_quick_sweep(label):
     verdict, long, packed, reason = EXPECTED[label]
-    model_type, overrides = arch_sweep.cases([label])[label]
-    results = [r for r in arch_sweep.run_case(label, model_type, overrides, quick=True) if r.verdict != "n/a"]
+    model_type, overrides = architectures.cases([label])[label]
+    results = [r for r in exactness.run_case(label, model_type, overrides, quick=True) if r.verdict != "n/a"]
     assert results, f"{label}: no variant ran"
     for r in results:
         where = f"{label} {r.variant}: {r.verdict} {r.detail} long={r.long}"
@@ -67,7 +64,7 @@ def test_quick_sweep(label):
             assert reason in r.detail, where
             continue
         dtype = torch.float64 if r.dtype == "fp64" else torch.float32
-        lp_tol, grad_tol = arch_sweep.tolerance(dtype, r.extra["states"])
+        lp_tol, grad_tol = exactness.tolerance(dtype, r.extra["states"])
         assert r.logp_err <= lp_tol and r.grad_err <= grad_tol, where
         assert r.extra["packed"] is packed, where
         assert r.long.startswith(long), where
@@ -84,26 +81,26 @@ def test_quick_sweep(label):
 )  # fmt: skip
 def test_attention_window_is_detected(label, window):
     """``sliding_window`` alone windows every layer (Mistral style); Qwen2 only with use_sliding_window."""
-    model_type, overrides = arch_sweep.cases([label])[label]
-    lm = CausalLM(arch_sweep.build(model_type, torch.float64, "eager", **overrides), probe=False)
+    model_type, overrides = architectures.cases([label])[label]
+    lm = CausalLM(architectures.build(model_type, torch.float64, "eager", **overrides), probe=False)
     assert lm.attention_window == window
 
 
 def test_probe_does_not_refuse_fp64_eager_for_hf_fp32_casts():
     """HF computes eager softmax and RMSNorm in float32 inside a float64 model (~1e-7 between two exact
     methods); the probe must not mistake that for an ignored cache."""
-    model = arch_sweep.build("mpt", torch.float64, "eager")
+    model = architectures.build("mpt", torch.float64, "eager")
     assert not TreeExecutor(model).pack_leaves  # and it is not refused
 
 
 def test_packing_fallback_is_logged(caplog):
     with caplog.at_level(logging.INFO, logger="trl_dta.walk.probe"):
-        TreeExecutor(arch_sweep.build("mpt", torch.float32, "eager"))
+        TreeExecutor(architectures.build("mpt", torch.float32, "eager"))
     assert "padded batch" in caplog.text
 
 
 def test_gradient_checkpointing_warning_once(caplog):
-    model = arch_sweep.build("llama", torch.float64, "sdpa").train()
+    model = architectures.build("llama", torch.float64, "sdpa").train()
     model.gradient_checkpointing_enable()
     executor = TreeExecutor(model)
     trie = PrefixTrie.from_sequences([[3, 4, 5], [3, 4, 6, 7]])
@@ -116,4 +113,6 @@ def test_gradient_checkpointing_warning_once(caplog):
 @pytest.mark.slow
 def test_full_sweep(tmp_path):
     """Every model type of the auto mapping: exact or refused, never a wrong answer or a crash."""
+    import arch_sweep  # benchmarks/arch_sweep.py, on pytest's pythonpath
+
     assert arch_sweep.main(["--json", str(tmp_path / "sweep.json")]) == 0

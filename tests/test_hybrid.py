@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_executor import loss_fn_for, shared_prefix_sequences
 
-from trl_dta import PrefixTrie, TreeExecutor
+from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError
+from trl_dta.compare import relative_error
 
 LOGP_TOL, GRAD_TOL = 1e-6, 1e-5  # relative; a few .float() casts remain (decay gates, Mamba2's logits)
 
@@ -87,10 +88,6 @@ def cached(family):
     return _MODELS[family]
 
 
-def rel(got, ref):
-    return ((got - ref).abs().max() / ref.abs().max()).item()
-
-
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_states_are_carried(family):
     executor = TreeExecutor(cached(family))
@@ -120,7 +117,7 @@ def test_backward_and_logprobs_match_dense(family, seqs, block_size, batch_token
     logps = executor.logprobs(trie)
     with torch.no_grad():
         for lp, seq in zip(logps, seqs, strict=True):
-            assert rel(lp, dense_logps(model, seq)[0]) <= LOGP_TOL
+            assert relative_error(lp, dense_logps(model, seq)[0]) <= LOGP_TOL
     model.zero_grad(set_to_none=True)
     total = executor.backward(trie, loss_fn, entropies=use_entropy)
     assert max_rel_diff(grads_of(model), ref) <= GRAD_TOL
@@ -180,7 +177,7 @@ def test_state_not_carried_is_refused():
     config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float64).eval()
-    with pytest.raises(ValueError, match="does not start from the given state"):
+    with pytest.raises(UnsupportedModelError, match="does not start from the given state"):
         TreeExecutor(model)
 
 
@@ -188,7 +185,7 @@ def test_unknown_state_layer_kind_is_refused():
     from trl_dta.walk.checks import check_stateful_layers
 
     config = SimpleNamespace(num_hidden_layers=2, layer_types=["rwkv", "full_attention"])
-    with pytest.raises(ValueError, match="rwkv"):
+    with pytest.raises(UnsupportedModelError, match="rwkv"):
         check_stateful_layers(config, "Model")
 
 

@@ -48,8 +48,7 @@ def test_peers_quick(tmp_path):
 @pytest.mark.timeout(120)
 def test_packed_tree_layout():
     """The packed tree-mask baseline's layout: unique tokens in DFS order, ancestors visible, depths right."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from peers import packed_tree
+    from peer_bench.tree_mask import packed_tree  # benchmarks/peer_bench/, on pytest's pythonpath
 
     from trl_dta import PrefixTrie
 

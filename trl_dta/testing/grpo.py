@@ -4,7 +4,7 @@ two tools, a reward function, scripted (non-sampled) generation, CPU-friendly co
 
 Typical use (a parity test between stock GRPOTrainer and a subclass)::
 
-    from grpo_setup import GradRecorder, ScriptedGRPOTrainer, make_config, make_trainer
+    from trl_dta.testing.grpo import GradRecorder, ScriptedGRPOTrainer, make_config, make_trainer
 
     rec = GradRecorder()
     trainer = make_trainer(ScriptedGRPOTrainer, make_config(tmp_path), callbacks=[rec])
@@ -328,7 +328,7 @@ def make_config(output_dir=None, config_cls=GRPOConfig, **overrides):
     plain SGD, a constant lr, no clipping (max_grad_norm=0), no KL (beta=0). Keys the config class lacks are
     dropped unless given explicitly in `overrides`. `output_dir=None` makes a temporary directory."""
     if output_dir is None:
-        output_dir = tempfile.mkdtemp(prefix="grpo_setup_")
+        output_dir = tempfile.mkdtemp(prefix="trl_dta_grpo_")
     kw = dict(
         output_dir=str(output_dir),
         bf16=False,  # GRPOConfig defaults to bf16=True
