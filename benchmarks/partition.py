@@ -22,7 +22,7 @@ the trie built from them), so a rank's load is ``PrefixTrie.from_sequences(its r
                    list (bisect) and the LCP of two positions is a range-minimum over the global trie's
                    ``lexicographic_lcp()`` (sparse table). The script asserts that the greedy's running
                    loads equal the per-rank tries' unique tokens at the end.
-(d) ``dfs``        ``trl_dta.partition.dfs_partition``: contiguous runs of the lexicographic (DFS) order
+(d) ``lexicographic``  ``trl_dta.lexicographic_partition``: contiguous runs of the lexicographic order
                    with the smallest possible maximum unique-token cost.
 
 Metrics, all from the exact final per-rank tries:
@@ -78,12 +78,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # common.py
 import common  # noqa: E402
 
-from trl_dta.partition import lexicographic_partition as dfs_partition  # noqa: E402
+from trl_dta.partition import lexicographic_partition  # noqa: E402
 from trl_dta.trie import PrefixTrie  # noqa: E402
 
 VOCAB = 32_000
 KS = (2, 8, 64)
-METHODS = ("trl", "greedy-raw", "greedy-tree", "dfs")
+METHODS = ("trl", "greedy-raw", "greedy-tree", "lexicographic")
 SHAPES = ("grpo", "multiturn", "skewed")
 # number of prompts (grpo, skewed) / tasks (multiturn) per K; groups of 8 rollouts each
 NUM_PROMPTS = {
@@ -248,7 +248,7 @@ def evaluate(shape: str, k: int, seed: int) -> list[dict]:
         elif method == "greedy-tree":
             parts, running = split_greedy_tree(seqs, k, trie)
         else:
-            parts = dfs_partition(trie, k)
+            parts = lexicographic_partition(trie, k)
         split_s = time.perf_counter() - t0
         assert sorted(i for p in parts for i in p) == list(range(len(seqs))), method
         loads = rank_loads(seqs, parts)

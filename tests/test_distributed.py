@@ -24,8 +24,9 @@ def run(out, model_dir, loss_type, trainer, procs, accumulation=1):
     if procs == 1:
         cmd = [sys.executable, str(WORKER)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_port",
-               str(29500 + os.getpid() % 1000), str(WORKER)]  # fmt: skip
+        # --standalone: a free port per launch (a fixed one can still be held by the previous test's run)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
+               str(WORKER)]  # fmt: skip
     result = subprocess.run(cmd + [str(out), model_dir, loss_type, trainer], env=env, capture_output=True,
                             text=True, timeout=300, cwd=out)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]

@@ -1,6 +1,6 @@
-"""The peer benchmark's output: aligned and markdown tables (``COLUMNS``, the README's pivot table), the
-result files (``<name>.json``, ``<name>.md``) and the plots (``<name>_speedup.png``, ``<name>_memory.png``,
-``<name>_trainer_step.png``)."""
+"""The peer benchmark's output: aligned and markdown tables (``COLUMNS``, docs/benchmarks.md's pivot
+table), the result files (``<name>.json``, ``<name>.md``) and the plots (``<name>_speedup.png``,
+``<name>_memory.png``, ``<name>_trainer_step.png``)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ SWEEP_COLUMNS = [
 
 def pivot_markdown(results: list[dict]) -> str:
     """One row per (model, attention, shape): time of dense, every method's speedup over it, and the saved
-    activations of every method (the README table)."""
+    activations of every method (the table in docs/benchmarks.md)."""
     methods = [m for m in METHODS if any(r["method"] == m for r in results)]
     short = {"dense": "dense", "dense_ckpt": "ckpt", "pg": "PG", "pg_lmhead": "PG head",
              "tree_mask": "tree mask", "tree": "walk"}  # fmt: skip

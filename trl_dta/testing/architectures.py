@@ -8,7 +8,7 @@ windows, length-dependent RoPE, KV sharing); ``QUICK`` is one case per behaviour
 
 Used by ``trl_dta.testing.exactness`` (the walk against each model's own dense forward/backward), by
 ``tests/test_architectures.py`` and by ``benchmarks/arch_sweep.py`` (the sweep over every case and the
-README table). transformers is imported only when a model is built.
+model table in docs/supported-models.md). transformers is imported only when a model is built.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 
 VOCAB = 96
 WINDOW = 16  # attention window / chunk given to models that have one: the trie's packed rows exceed it
+MAX_PARAMETERS = 20_000_000  # a tiny model has ~0.1M; one far larger would fill the machine in float64
 
 
 # Shrunk sizes; a key is set only if the config class knows it (``attribute_map`` aliases included).
@@ -151,6 +152,7 @@ def build(model_type: str, dtype, attn: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        _check_size(cls, config, attn)
         # float64 needs eager MoE experts (torch's grouped_mm takes no float64)
         experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
         try:
@@ -160,6 +162,21 @@ def build(model_type: str, dtype, attn: str, seed: int = 0, **overrides):
                 raise
             model = cls._from_config(config, attn_implementation=attn)
     return model.to(dtype).eval()
+
+
+def _check_size(cls, config, attn: str) -> None:
+    """Refuse a config the tiny sizes did not reach (e.g. a nested text or vision config of full size, as
+    Fuyu's): counted on the meta device, before a real build could fill the machine's memory."""
+    try:
+        with torch.device("meta"):
+            params = sum(p.numel() for p in cls._from_config(config, attn_implementation=attn).parameters())
+    except Exception:  # noqa: BLE001 - a model that cannot be built on meta: the real build decides
+        return
+    if params > MAX_PARAMETERS:
+        raise ValueError(
+            f"the tiny config still has {params / 1e6:.0f}M parameters (a part the tiny sizes do not reach); "
+            f"the sweep builds models of at most {MAX_PARAMETERS / 1e6:.0f}M"
+        )
 
 
 def cases(names: list[str] | None = None) -> dict[str, tuple[str, dict]]:

@@ -19,11 +19,10 @@ import torch
 import torch.distributed as dist
 
 from ..partition import lexicographic_partition
-from .rows import PER_TOKEN, PROMPT, batch_rows, concat_batches, take_rows
+from .rows import BATCH_WIDE, PER_TOKEN, PROMPT, batch_rows, concat_batches, take_rows
 
 PER_ROW = ("advantages",)
-SAME_ON_ALL_RANKS = ("num_items_in_batch",)
-SUPPORTED = {*PROMPT, *PER_TOKEN, *PER_ROW, *SAME_ON_ALL_RANKS}
+SUPPORTED = {*PROMPT, *PER_TOKEN, *PER_ROW, *BATCH_WIDE}
 
 
 def partition_sequences(batch: dict) -> list[list[int]]:

@@ -19,6 +19,12 @@ TINY = 1e-6
 
 
 class GradientCheck:
+    """The dense gradients of a step's ``batches`` (computed at construction), to compare with the walk's by
+    :meth:`finish`. Measure: :func:`~trl_dta.compare.relative_error` with ``tiny=TINY``, the one the tests
+    use; a parameter whose dense gradient is zero up to rounding is measured against the largest gradient
+    entry, not against its own rounding noise (before this measure was shared, such a tensor was measured
+    against 1e-6 of the largest entry: fp32 rounding there could trip the check)."""
+
     def __init__(self, trainer, model, batches: list[dict], tolerance: float):
         self.tolerance = tolerance
         self.params = [p for p in model.parameters() if p.requires_grad]

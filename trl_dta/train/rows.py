@@ -25,6 +25,7 @@ PER_TOKEN = {
     "importance_sampling_ratio": 1.0,
 }
 PROMPT = ("prompt_ids", "prompt_mask")  # left-padded to the prompt width
+BATCH_WIDE = ("num_items_in_batch",)  # one value for the whole batch (the same on every rank), not per row
 
 
 class Row(NamedTuple):
@@ -66,7 +67,7 @@ def concat_batches(batches: Sequence[dict]) -> dict:
     merged = {}
     for key, first in batches[0].items():
         values = [b[key] for b in batches]
-        if isinstance(first, torch.Tensor) and first.ndim > 0:
+        if key not in BATCH_WIDE and isinstance(first, torch.Tensor) and first.ndim > 0:
             if key in PROMPT:
                 values = [_pad(v, prompt_width, 0, left=True) for v in values]
             elif key in PER_TOKEN:
@@ -84,7 +85,7 @@ def take_rows(batch: dict, index: Sequence[int]) -> dict:
     order = torch.tensor(list(index), dtype=torch.long)
     taken = {}
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.ndim > 0:
+        if key not in BATCH_WIDE and isinstance(value, torch.Tensor) and value.ndim > 0:
             taken[key] = value.index_select(0, order.to(value.device))
         elif isinstance(value, list):
             taken[key] = [value[i] for i in index]

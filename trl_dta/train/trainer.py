@@ -12,7 +12,8 @@ saving. What changes:
   walk. Each micro-batch's ``compute_loss`` then runs TRL's ``_compute_loss`` on that micro-batch's
   (detached) walk values, passed in place of the model: it logs TRL's metrics, advances TRL's
   adaptive-entropy state, and its loss must equal the sum of the micro-batch's row losses (checked). The
-  returned loss is that value on a fresh graph leaf, so the Trainer's ``backward`` adds nothing.
+  returned loss is that value on a fresh tensor that requires grad, so the Trainer's ``backward`` adds
+  nothing.
 * ``_get_per_token_logps_and_entropies`` (TRL's no-grad passes: old-policy and reference log-probs, over
   the whole generation batch) runs :meth:`TreeExecutor.logprobs` on one trie of the batch.
 * The LM head runs only on completion positions (``score_from``), as TRL's ``logits_to_keep`` does.

@@ -13,14 +13,17 @@ if nothing in the model depends on how the sequence was cut. What can break it, 
   differ or fail, the executor forwards leaves as a padded batch instead (exact, a little slower);
 * RoPE whose frequencies depend on the call's length (dynamic NTK, longrope): refused for sequences longer
   than the original context, where the frequencies start to move;
-* layers that keep state other than K/V (state-space, linear attention, short convolutions): their states are
-  carried through transformers' cache API, which the probe checks on a two-segment path; kinds outside that
-  API are refused, and sibling leaves are never packed (one leaf's state would run into the next);
+* layers that keep state other than K/V (state-space, linear attention, short convolutions): their states
+  are carried through transformers' cache API, which the probe checks on a two-segment path; layer types
+  outside that API are refused, and sibling leaves are never packed (one leaf's state would run into the
+  next);
 * a cache the model ignores, an LM-head transform the walk does not reproduce, a model that is not causal:
-  the probe (:mod:`trl_dta.walk.probe`) refuses them, naming the cause;
-* dropout active while the model trains (a shared prefix would share one mask): refused at the call.
+  the probe (:mod:`trl_dta.walk.probe`) refuses them, naming the cause.
 
-Every refusal is an :class:`~trl_dta.walk.errors.UnsupportedModelError`.
+Every refusal of a model (or of a call's sequences on it) is an
+:class:`~trl_dta.walk.errors.UnsupportedModelError`. Dropout left on in a training model is the caller's to
+fix (eval mode, TRL's ``disable_dropout``): a plain ``ValueError`` at the call (a shared prefix would share
+one dropout mask).
 """
 
 from __future__ import annotations
@@ -31,18 +34,19 @@ from .errors import UnsupportedModelError
 
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
-# layer kinds (transformers' cache layer types) whose state is not a plain K/V cache
+# layer types (transformers' per-layer strings) whose state is not a plain K/V cache
 _STATEFUL_LAYERS = ("conv", "linear", "mamba", "hybrid", "recurrent", "ssm", "rwkv", "lstm", "deltanet")
-# layer kinds that keep extra per-token caches next to K/V (sparse-attention indexers, compressed attention)
+# layer types that keep extra per-token caches next to K/V (sparse-attention indexers, compressed attention)
 _INDEXED_LAYERS = ("indexed", "compressed")
-# layer kinds whose conv / recurrent states transformers' cache API exposes and the walk carries
+# layer types whose conv / recurrent states transformers' cache API exposes and the walk carries
 _CARRIED_STATES = ("conv", "linear_attention", "hybrid", "hybrid_sliding")
 
 
 def layer_types(config) -> list[str]:
-    """Per-layer attention kind, read as transformers builds its caches: ``layer_types`` if the config has
-    it, otherwise every layer is windowed when ``sliding_window`` is set (Mistral, Mixtral, Starcoder2, Phi-3)
-    unless ``use_sliding_window`` is False, chunked when ``attention_chunk_size`` is set, else full."""
+    """Per-layer type (the attention pattern: full, sliding, chunked, ...), read as transformers builds its
+    caches: ``layer_types`` if the config has it, otherwise every layer is windowed when ``sliding_window`` is
+    set (Mistral, Mixtral, Starcoder2, Phi-3) unless ``use_sliding_window`` is False, chunked when
+    ``attention_chunk_size`` is set, else full."""
     types = getattr(config, "layer_types", None)
     n = config.num_hidden_layers
     if types:
@@ -70,13 +74,13 @@ def attention_window(config) -> tuple[int | None, str]:
 
 def check_stateful_layers(config, name: str) -> None:
     """Refuse layers whose cache the walk does not carry: sparse-attention indexers and compressed
-    attention, and any state-keeping layer kind other than those of transformers' linear-attention cache
+    attention, and any state-keeping layer type other than those of transformers' linear-attention cache
     (convolution, linear attention / state-space, hybrid), whose states the walk carries."""
     types = layer_types(config)
     indexed = sorted({k for k in types if any(s in str(k).lower() for s in _INDEXED_LAYERS)})
     if indexed:
         raise UnsupportedModelError(
-            f"{name} has layers of kind {indexed}: sparse or compressed attention keeps extra caches next "
+            f"{name} has layers of type {indexed}: sparse or compressed attention keeps extra caches next "
             "to K/V (a top-k indexer's keys, compressed blocks) that the tree walk does not manage; not "
             "supported."
         )
@@ -85,8 +89,8 @@ def check_stateful_layers(config, name: str) -> None:
     )
     if kinds:
         raise UnsupportedModelError(
-            f"{name} has layers of kind {kinds}: they keep a state that transformers' linear-attention "
-            "cache does not describe (the tree walk carries the states of layers of kind "
+            f"{name} has layers of type {kinds}: they keep a state that transformers' linear-attention "
+            "cache does not describe (the tree walk carries the states of layers of type "
             f"{sorted(_CARRIED_STATES)}); not supported."
         )
 

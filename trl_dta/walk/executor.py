@@ -35,12 +35,12 @@ import torch
 from torch import nn
 
 from ..trie import PrefixTrie, TrieNode
-from .forwards import decode, decode_packed, decode_padded
+from .forwards import forward, forward_packed, forward_padded
 from .model import CausalLM
 from .path_kv import PathKV
 from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, build_plan
 from .router import RouterGrad, RouterStats, route
-from .scoring import first_scored, path_scores, score_rows
+from .scoring import path_scores, score_rows, scored_from
 from .state import Frame, OnSequence, SegmentOutputs, Walk, flat_outputs
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -171,7 +171,7 @@ class TreeExecutor:
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.lm.check_call(trie.max_depth)
-        seq_from, node_from = first_scored(trie, score_from)
+        seq_from, node_from = scored_from(trie, score_from)
         plan = build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves, self.subtree_tokens)
         walk = Walk(
             trie, temperature, entropies, grad, on_sequence, PathKV(self._capacity(plan)), seq_from,
@@ -186,7 +186,7 @@ class TreeExecutor:
                     if grad:
                         self._pop(walk, frame, step.keep_graph)
                 else:
-                    self._leaves(walk, step)
+                    self._rows(walk, step)
 
     def _capacity(self, plan) -> int:
         """The most cache positions a forward of ``plan`` reaches (its start + its row's tokens)."""
@@ -257,7 +257,7 @@ class TreeExecutor:
         if lead:
             ids = torch.cat([top.pending, ids])
         start = segment.start - lead
-        hidden, caches, routers = decode(self.lm, walk, ids[None], start)
+        hidden, caches, routers = forward(self.lm, walk, ids[None], start)
         terms = self._route_rows(walk, segment.node, routers, top, lead)
         router_term = torch.stack(terms).sum() if terms else None
         if not walk.scoring:
@@ -285,8 +285,8 @@ class TreeExecutor:
         ent = ents[0] if walk.entropies else None
         return SegmentOutputs([], None, lps[0], ent, None, firsts[0], ids)
 
-    # ------------------------------------------------------------------ leaves and packed subtrees
-    def _leaves(self, walk: Walk, step: SiblingLeaves | PackedSubtree) -> None:
+    # ------------------------------------------------------------------ rows: sibling leaves, packed subtrees
+    def _rows(self, walk: Walk, step: SiblingLeaves | PackedSubtree) -> None:
         """Forward sibling leaves or a packed subtree in one call, and backpropagate its sequences' losses
         (and MoE router terms) at once."""
         segments = step.segments
@@ -298,20 +298,20 @@ class TreeExecutor:
         start = segments[0].start - lead
         with torch.set_grad_enabled(walk.grad):
             if len(segments) > 1 and self.pack_leaves:
-                hiddens, routers = decode_packed(self.lm, walk, ids, start, step)
+                hiddens, routers = forward_packed(self.lm, walk, ids, start, step)
             else:
-                hiddens, routers = decode_padded(self.lm, walk, ids, start)
+                hiddens, routers = forward_padded(self.lm, walk, ids, start)
             losses = [
                 term
                 for segment, r in zip(segments, routers, strict=True)
                 for term in self._route_rows(walk, segment.node, r, top, lead)
             ]
             if walk.scoring:
-                losses += self._leaf_losses(walk, step, hiddens, ids, start, lead)
+                losses += self._row_losses(walk, step, hiddens, ids, start, lead)
         if walk.grad:
             self._backprop(losses)
 
-    def _leaf_losses(self, walk: Walk, step, hiddens, ids, start: int, lead: int) -> list:
+    def _row_losses(self, walk: Walk, step, hiddens, ids, start: int, lead: int) -> list:
         """Score the rows of a leaves or subtree step (one LM-head call) and call ``on_sequence`` for each
         sequence that ends in it, with its log-probs along the stack and its ancestors in the row."""
         segments = step.segments

@@ -1,28 +1,27 @@
-"""One model call of the walk, on the walk's path: a segment, or several rows at once (sibling leaves as a
-right-padded batch, or sibling leaves and packed subtrees as one packed row).
-
-Every function returns the hidden states per row, padding dropped, and (when the walk reads router logits)
-each row's router logits per router layer.
+"""One model call of the walk, on the walk's path: a segment (:func:`forward`), or several rows at once
+(:func:`forward_padded`: sibling leaves as a right-padded batch; :func:`forward_packed`: sibling leaves or a
+packed subtree as one row). The last two return the hidden states per row, padding dropped, and (when the
+walk reads router logits) each row's router logits per router layer.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .model import CausalLM, Decoded
+from .model import CausalLM, ForwardResult
 from .packing import packed_inputs
 from .plan import PackedSubtree, SiblingLeaves
 from .state import Walk
 
 
-def decode(lm: CausalLM, walk: Walk, ids: torch.Tensor, start: int, **packing) -> Decoded:
-    """Decode ``ids`` [B, L] at cache position ``start`` on the walk's path (``packing``: the packed row's
+def forward(lm: CausalLM, walk: Walk, ids: torch.Tensor, start: int, **packing) -> ForwardResult:
+    """Forward ``ids`` [B, L] at cache position ``start`` on the walk's path (``packing``: the packed row's
     positions and attention mask)."""
     states = walk.states(ids.shape[0])
     return lm.forward(ids, start, walk.kv, states, router_logits=walk.router is not None, **packing)
 
 
-def decode_padded(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int):
+def forward_padded(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int):
     """Rows as a right-padded batch (causal attention keeps padding invisible to real tokens)."""
     lengths = [t.numel() for t in ids]
     width = max(lengths)
@@ -31,14 +30,14 @@ def decode_padded(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int)
     batch = torch.zeros(len(ids), width, dtype=torch.long, device=lm.device)
     for row, t in enumerate(ids):
         batch[row, : lengths[row]] = t
-    hidden, _, routers = decode(lm, walk, batch, start)
+    hidden, _, routers = forward(lm, walk, batch, start)
     per_row = [None] * len(ids)
     if routers is not None:  # each [B * width, E], row-major
         per_row = [[r.view(len(ids), width, -1)[row, :n] for r in routers] for row, n in enumerate(lengths)]
     return [hidden[row, :n] for row, n in enumerate(lengths)], per_row
 
 
-def decode_packed(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int, step):
+def forward_packed(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int, step):
     """Sibling leaves, or the segments of a subtree, packed into one row: each token attends the shared past,
     the earlier tokens of its own segment and its segment's ancestors in the row (a tree-shaped causal mask),
     at its own position (restarting at ``start`` for every sibling leaf). No padding, and the past K/V is not
@@ -50,7 +49,7 @@ def decode_packed(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int,
     starts = [s.start for s in step.segments] if subtree else None
     dtype = lm.lm_head.weight.dtype
     positions, mask = packed_inputs(lengths, start, dtype, lm.device, parents=parents, starts=starts)
-    hidden, _, routers = decode(
+    hidden, _, routers = forward(
         lm, walk, torch.cat(ids)[None], start, positions=positions, attention_mask=mask
     )
     per_row = [None] * len(ids)

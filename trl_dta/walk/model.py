@@ -34,7 +34,7 @@ from .probe import probe as run_probe
 logger = logging.getLogger(__name__)
 
 
-class Decoded(NamedTuple):
+class ForwardResult(NamedTuple):
     """What one decoder forward gives: hidden states [B, L, D], per layer what it leaves
     (:data:`~trl_dta.walk.cache.LayerCache`), and (when asked) each router layer's logits [B * L, E]."""
 
@@ -90,9 +90,7 @@ class CausalLM:
             raise UnsupportedModelError(f"{self.name} is not a decoder + LM head causal LM; not supported.")
         self.lm_head_fp32 = lm_head_fp32
         if lm_head_fp32 and type(self.lm_head) is not nn.Linear:
-            raise UnsupportedModelError(
-                "lm_head_fp32=True needs a plain nn.Linear LM head (no adapter on it)."
-            )
+            raise ValueError("lm_head_fp32=True needs a plain nn.Linear LM head (no adapter on it).")
         self.logit_scale = _logit_scale(self.config)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.cache_kinds = cache_kinds(self.config)
@@ -122,7 +120,9 @@ class CausalLM:
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        """Where token ids, positions and masks go: the input embeddings' device."""
+        embeddings = self.decoder.get_input_embeddings()
+        return (self.lm_head if embeddings is None else embeddings).weight.device
 
     # ---------------------------------------------------------------- checks
     def _cache_keyword(self) -> str:
@@ -183,7 +183,7 @@ class CausalLM:
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         router_logits: bool = False,
-    ) -> Decoded:
+    ) -> ForwardResult:
         """Decode ``input_ids`` ([B, L], positions ``start..start+L-1`` unless ``positions`` are given) on top
         of the path's K/V at positions ``[0, start)`` of ``kv`` and the ``states`` its last segment left
         (each with B rows: :func:`~trl_dta.walk.cache.expand_states`), causally, or with a 4-D additive
@@ -193,10 +193,10 @@ class CausalLM:
             raise ValueError(f"{self.name} has no MoE router.")
         batch, length = input_ids.shape
         if length == 1 and states and self.has_states:
-            raise ValueError(
-                "a one-token forward on carried states would run the model's decode kernels, which may "
-                "differ from its multi-token kernels or have no backward; the executor forwards such a token "
-                "with the next ones instead."
+            raise RuntimeError(
+                "internal: a one-token forward on carried states would run the model's decode kernels, which "
+                "may differ from its multi-token kernels or have no backward; the executor forwards such a "
+                "token with the next ones instead."
             )
         cache = RecordingCache(states, self.cache_kinds, start, kv)
         if positions is None:
@@ -218,7 +218,7 @@ class CausalLM:
             routers = list(getattr(out, "router_logits", None) or ())
             if not routers:
                 raise UnsupportedModelError(f"{self.name} returned no router logits.")
-        return Decoded(out.last_hidden_state, cache.new, routers)
+        return ForwardResult(out.last_hidden_state, cache.new, routers)
 
     def _check_written(self, cache: RecordingCache) -> None:
         """Refuse a forward whose layers did not write through the cache what the walk carries."""

@@ -64,9 +64,9 @@ class PathKV:
         ``values`` ([B, kv_heads, n, head_dim], the new tokens'), which are written at ``[start, start + n)``
         when B is 1."""
         if start + keys.shape[-2] > self.capacity:
-            raise ValueError(
-                f"a forward reaches cache position {start + keys.shape[-2]}, past the walk's capacity "
-                f"{self.capacity}"
+            raise RuntimeError(
+                f"internal: a forward reaches cache position {start + keys.shape[-2]}, past the walk's "
+                f"capacity {self.capacity}"
             )
         if layer not in self.buffers:
             shape = (1, keys.shape[1], self.capacity, keys.shape[-1])

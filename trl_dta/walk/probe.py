@@ -42,10 +42,11 @@ _SEQUENCE_LENGTH, _PREFIX, _SPLIT = 13, 6, 4  # the prefix is forwarded as [0, 4
 
 @contextlib.contextmanager
 def _unsupported_on_failure(name: str):
-    """Turn a model's failure on a given cache into a refusal; the walk's own refusals pass unchanged."""
+    """Turn a model's failure in a forward on the walk's cache into a refusal; the walk's own refusals and
+    running out of memory pass unchanged."""
     try:
         yield
-    except UnsupportedModelError:
+    except (UnsupportedModelError, torch.OutOfMemoryError, MemoryError):
         raise
     except Exception as e:
         raise UnsupportedModelError(
@@ -81,7 +82,13 @@ class _Probe:
         return out.logits[0].to(torch.float64)
 
     def logits(self, hidden) -> torch.Tensor:
-        return self.lm.logits(hidden, 1.0)[0].to(torch.float64)
+        with _unsupported_on_failure(self.name):
+            return self.lm.logits(hidden, 1.0)[0].to(torch.float64)
+
+    def forward(self, ids, start: int, states, **packing):
+        """The walk's forward of ``ids`` at ``start`` (a failure of the model there is a refusal)."""
+        with _unsupported_on_failure(self.name):
+            return self.lm.forward(ids, start, self.kv, states, **packing)
 
 
 @torch.no_grad()
@@ -105,8 +112,7 @@ def probe(lm, try_packing: bool) -> bool:
             f"{p.where}), as in an encoder or a model configured without a causal mask (e.g. "
             "is_decoder=False); not supported."
         )
-    with _unsupported_on_failure(p.name):
-        states = _check_segments(p, dense_prefix, dense_leaves)
+    states = _check_segments(p, dense_prefix, dense_leaves)
     return try_packing and _packing_is_exact(p, states, dense_leaves)
 
 
@@ -114,7 +120,7 @@ def _check_segments(p: _Probe, dense_prefix, dense_leaves):
     """The prefix as two segments, then each leaf on it alone and in a padded batch; returns the states the
     prefix leaves (hybrid models)."""
     lm = p.lm
-    hidden, first, _ = lm.forward(p.ids(p.prefix[:_SPLIT]), 0, p.kv)
+    hidden, first, _ = p.forward(p.ids(p.prefix[:_SPLIT]), 0, None)
     err = relative_error(p.logits(hidden), dense_prefix[:_SPLIT])
     if not err <= p.tolerance:
         raise UnsupportedModelError(
@@ -122,16 +128,16 @@ def _check_segments(p: _Probe, dense_prefix, dense_leaves):
             f"the dense forward by {err:.2e} {p.where}: the model transforms its logits in a way the tree "
             "walk does not reproduce; not supported."
         )
-    hidden, second, _ = lm.forward(p.ids(p.prefix[_SPLIT:]), _SPLIT, p.kv, states_of(first))
+    hidden, second, _ = p.forward(p.ids(p.prefix[_SPLIT:]), _SPLIT, states_of(first))
     errs = [relative_error(p.logits(hidden), dense_prefix[_SPLIT:])]
     states = states_of(second)
     for leaf, ref in zip(p.leaves, dense_leaves, strict=True):
-        hidden, _, _ = lm.forward(p.ids(leaf), _PREFIX, p.kv, states)
+        hidden, _, _ = p.forward(p.ids(leaf), _PREFIX, states)
         errs.append(relative_error(p.logits(hidden), ref[_PREFIX:]))
     batch = torch.zeros(len(p.leaves), max(map(len, p.leaves)), dtype=torch.long, device=p.device)
     for row, leaf in enumerate(p.leaves):
         batch[row, : len(leaf)] = torch.tensor(leaf, device=p.device)
-    hidden, _, _ = lm.forward(batch, _PREFIX, p.kv, expand_states(states, len(p.leaves)))
+    hidden, _, _ = p.forward(batch, _PREFIX, expand_states(states, len(p.leaves)))
     for row, (leaf, ref) in enumerate(zip(p.leaves, dense_leaves, strict=True)):
         errs.append(relative_error(p.logits(hidden[row : row + 1, : len(leaf)]), ref[_PREFIX:]))
     err = max(errs)

@@ -16,7 +16,7 @@ import torch
 from ..trie import PrefixTrie, TrieNode
 
 
-def first_scored(trie: PrefixTrie, score_from: Sequence[int] | None):
+def scored_from(trie: PrefixTrie, score_from: Sequence[int] | None):
     """Per sequence, and per node the smallest over the sequences through it: the first log-prob index to
     score. A node scores from there (or from its own first index), so each sequence's scored indices
     are contiguous along its path."""

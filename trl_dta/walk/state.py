@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from ..trie import PrefixTrie, TrieNode
-from .cache import KV, LayerCache, expand_states
+from .cache import KV, LayerCache, expand_states, states_of
 from .path_kv import PathKV
 from .plan import Segment
 from .router import RouterGrad, RouterStats
@@ -88,7 +88,7 @@ class Frame:
     def pushed(cls, segment: Segment, out: SegmentOutputs, kv_from: int, with_graph: bool) -> Frame:
         return cls(
             segment, out.caches, out.last_hidden, out.logps, out.entropies,
-            states_in=[{k: handle(t) for k, t in layer.items() if k not in KV} for layer in out.caches],
+            states_in=[{k: handle(t) for k, t in layer.items()} for layer in states_of(out.caches)],
             last_hidden_in=handle(out.last_hidden),
             logps_in=handle(out.logps),
             entropies_in=handle(out.entropies),
