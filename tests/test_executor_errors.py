@@ -21,7 +21,7 @@ def test_active_dropout_is_refused():
     model = make_model("qwen3", "sdpa", attention_dropout=0.1).train()
     executor = TreeExecutor(model)  # construction probes in eval mode and restores train mode
     assert model.training
-    with pytest.raises(ValueError, match="dropout is active"):
+    with pytest.raises(ValueError, match="randomness is on in train mode"):
         executor.backward(PrefixTrie.from_sequences(SEQS), loss_fn)
     model.eval()
     executor.backward(PrefixTrie.from_sequences(SEQS), loss_fn)  # fine without dropout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import max_rel_diff
+from transformers import MixtralConfig, MixtralForCausalLM, OPTConfig, OPTForCausalLM
 from trl import GRPOConfig
 
 from trl_dta import PrefixTrie, TreePPOConfig, TreePPOTrainer
@@ -16,6 +17,7 @@ from trl_dta.testing.grpo import (
     make_config,
     make_trainer,
     tiny_model,
+    tiny_tokenizer,
 )
 from trl_dta.train.losses import LOSS_TYPES
 from trl_dta.train.rows import batch_rows
@@ -116,8 +118,48 @@ def test_bad_settings_are_refused(tmp_path, model_dir):
     config = make_config(tmp_path, config_cls=TreePPOConfig, disable_dropout=False)
     model = tiny_model(seed=0, attention_dropout=0.1)
     trainer = make_trainer(TreeScripted, config, model=model)
-    with pytest.raises(ValueError, match="dropout is active"):
+    with pytest.raises(ValueError, match="randomness is on in train mode"):
         trainer.train()
+
+
+def _opt(**overrides):
+    """OPT with its config's default dropout (0.1), applied by nn.functional.dropout: TRL's disable_dropout
+    (nn.Dropout modules only) leaves it on."""
+    tokenizer = tiny_tokenizer()
+    config = OPTConfig(vocab_size=len(tokenizer), hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                       num_attention_heads=4, word_embed_proj_dim=32, max_position_embeddings=2048,
+                       init_std=0.2, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                       bos_token_id=tokenizer.eos_token_id, **overrides)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return OPTForCausalLM(config)
+
+
+def _mixtral_with_jitter():
+    tokenizer = tiny_tokenizer()
+    config = MixtralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           num_local_experts=4, num_experts_per_tok=2, initializer_range=0.2,
+                           sliding_window=None, router_jitter_noise=0.5, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return MixtralForCausalLM(config)
+
+
+@pytest.mark.parametrize("build", [_opt, _mixtral_with_jitter], ids=["opt dropout", "mixtral router jitter"])
+def test_randomness_held_as_numbers_is_turned_off_by_disable_dropout(tmp_path, build):
+    """disable_dropout=True also zeroes what TRL's does not see (OPT's functional dropout, Mixtral's router
+    jitter); the walk's gradients then equal the dense ones (the self-check). Without it: a clear refusal."""
+    model = build()
+    trainer, _ = train(TreeScripted, TreePPOConfig, model, tmp_path, tree_check_gradients=True, max_steps=1)
+    checks = [h["tree/check_error"] for h in trainer.state.log_history if "tree/check_error" in h]
+    assert len(checks) == 1 and checks[0] <= TOL
+    config = make_config(tmp_path / "kept", config_cls=TreePPOConfig, disable_dropout=False, max_steps=1)
+    with pytest.raises(
+        ValueError, match="randomness is on in train mode.*(dropout = 0.1|jitter_noise = 0.5)"
+    ):
+        make_trainer(TreeScripted, config, model=build()).train()
 
 
 def test_resume_from_checkpoint_continues_with_same_gradients(tmp_path, model_dir):
@@ -198,7 +240,9 @@ def test_one_walk_per_optimizer_step_forwards_each_unique_token_once(tmp_path, m
     config = make_config(tmp_path, config_cls=TreePPOConfig, num_iterations=1, max_steps=1, **GA4)
     trainer = make_trainer(TreeScripted, config, model=model_dir)
     model = trainer.model
-    trainer._executor(model)  # built (and probed) before counting
+    executor = trainer._executor(model)  # built (and probed) before counting
+    model.train()
+    executor.lm.check_call(PrefixTrie.from_sequences([[1, 2]]))  # and its train-mode determinism check run
     embedded, head_rows = [], []
     hooks = [
         model.get_input_embeddings().register_forward_hook(lambda m, a, o: embedded.append(a[0].numel())),

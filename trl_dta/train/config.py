@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from ..walk.checks import check_count
+
 
 @dataclass
 class TreePPOConfig(GRPOConfig):
@@ -45,10 +47,15 @@ class TreePPOConfig(GRPOConfig):
         tree_check_tolerance (`float`, defaults to 1e-3):
             Largest allowed per-tensor ``max|tree - dense| / max|dense|`` for `tree_check_gradients`.
 
-    Defaults that differ from ``GRPOConfig``: ``disable_dropout=True`` (a shared prefix shares one dropout
-    mask, so the walk equals the dense loss only without dropout) and ``gradient_checkpointing=False`` (the
-    walk bounds activation memory itself; if turned on, the walk switches it off for its own forwards and
-    restores it after, and TRL's generation is unchanged).
+    Defaults that differ from ``GRPOConfig``:
+
+    * ``disable_dropout=True``: a shared prefix shares one dropout mask, so the walk equals the dense loss
+      only without randomness. Besides TRL's zeroing of ``nn.Dropout`` modules, the probabilities models
+      hold as numbers (OPT's functional dropout and layer drop, Mixtral's router jitter, ...) are set to 0,
+      on the modules and in the model's config (a saved config has them at 0); then two forwards of the
+      same input in train mode must agree, or the trainer refuses the model, naming the settings.
+    * ``gradient_checkpointing=False``: the walk bounds activation memory itself; if turned on, the walk
+      switches it off for its own forwards and restores it after, and TRL's generation is unchanged.
     """
 
     tree_block_size: int = field(
@@ -79,9 +86,7 @@ class TreePPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.tree_block_size < 1:
-            raise ValueError(f"tree_block_size must be >= 1, got {self.tree_block_size}")
-        if self.tree_batch_tokens is not None and self.tree_batch_tokens < 0:
-            raise ValueError(f"tree_batch_tokens must be >= 0, got {self.tree_batch_tokens}")
-        if self.tree_subtree_tokens < 0:
-            raise ValueError(f"tree_subtree_tokens must be >= 0, got {self.tree_subtree_tokens}")
+        check_count("tree_block_size", self.tree_block_size, minimum=1)
+        if self.tree_batch_tokens is not None:
+            check_count("tree_batch_tokens", self.tree_batch_tokens)
+        check_count("tree_subtree_tokens", self.tree_subtree_tokens)

@@ -23,6 +23,7 @@ saving. What changes:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -32,6 +33,7 @@ from accelerate.utils import DistributedType
 from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
+from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
 from . import distributed
 from .config import TreePPOConfig
@@ -40,6 +42,8 @@ from .load_balancing import load_balancing_loss, node_weights
 from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
 from .rows import concat_batches, take_rows
 from .step import StepLosses, Walked, build_trie, scatter
+
+logger = logging.getLogger(__name__)
 
 _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
@@ -101,6 +105,8 @@ class TreePPOTrainer(GRPOTrainer):
                 "training (FSDP, DeepSpeed ZeRO-3) gathers parameters on each; use single process or DDP "
                 "(multi-GPU / multi-CPU)."
             )
+        if a.disable_dropout:
+            self._disable_randomness()
         self._multi_process = self.accelerator.num_processes > 1
         if self._multi_process and self._tree_check:
             raise ValueError("tree_check_gradients runs on a single process only.")
@@ -111,6 +117,27 @@ class TreePPOTrainer(GRPOTrainer):
         )
 
     # ------------------------------------------------------------------ helpers
+    def _disable_randomness(self) -> None:
+        """``disable_dropout``: TRL has zeroed the ``nn.Dropout`` modules; also zero the probabilities held
+        as numbers (OPT's functional dropout and layer drop, Mixtral's router jitter, config keys read at
+        each forward), then check by behaviour that the policy is deterministic in train mode (what is left
+        is refused, with the settings named)."""
+        policy = self.accelerator.unwrap_model(self.model)
+        for model in (policy, self.ref_model):
+            if model is not None:
+                changed = disable_randomness(self.accelerator.unwrap_model(model))
+                if changed:
+                    logger.info("disable_dropout: set to 0: %s", ", ".join(changed))
+        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        modes = [(m, m.training) for m in policy.modules()]
+        policy.train()
+        try:
+            device = base.get_input_embeddings().weight.device
+            check_deterministic(policy, base, device, type(base).__name__)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+
     def _executor(self, model) -> TreeExecutor:
         model = self.accelerator.unwrap_model(model)
         if id(model) not in self._executors:

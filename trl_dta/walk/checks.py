@@ -21,15 +21,19 @@ if nothing in the model depends on how the sequence was cut. What can break it, 
   the probe (:mod:`trl_dta.walk.probe`) refuses them, naming the cause.
 
 Every refusal of a model (or of a call's sequences on it) is an
-:class:`~trl_dta.walk.errors.UnsupportedModelError`. Dropout left on in a training model is the caller's to
-fix (eval mode, TRL's ``disable_dropout``): a plain ``ValueError`` at the call (a shared prefix would share
-one dropout mask).
+:class:`~trl_dta.walk.errors.UnsupportedModelError`. What the caller can fix is a plain ``ValueError`` at
+the call: randomness left on in a training model (:mod:`trl_dta.walk.determinism`: a shared prefix would
+share one dropout mask), a token id outside the vocabulary, a sequence longer than a learned position
+table.
 """
 
 from __future__ import annotations
 
+import numbers
+
 from torch import nn
 
+from .determinism import stochastic_settings
 from .errors import UnsupportedModelError
 
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
@@ -118,6 +122,15 @@ def rope_length_limit(model) -> tuple[int | None, str]:
     return min(limits) if limits else (None, "")
 
 
+def check_count(name: str, value, minimum: int = 0) -> int:
+    """A whole-number setting (a token budget, a block size) at least ``minimum``, as an int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
 def check_attention_implementation(config) -> None:
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in SUPPORTED_ATTENTION:
@@ -127,19 +140,58 @@ def check_attention_implementation(config) -> None:
         )
 
 
-def check_no_dropout(model: nn.Module, config) -> None:
-    """Refuse active dropout in a training model: a shared prefix would share one dropout mask, so the walk
-    would not equal the dense computation."""
+def check_no_randomness(model: nn.Module) -> None:
+    """Refuse a training model with randomness switched on by a setting
+    (:func:`~trl_dta.walk.determinism.stochastic_settings`: dropout modules, dropout probabilities held on
+    modules, layer drop, router jitter): a shared prefix would share one random draw."""
     if not model.training:
         return
-    dropouts = [n for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
-    if dropouts or getattr(config, "attention_dropout", 0.0):
-        where = dropouts[0] if dropouts else "config.attention_dropout"
+    found = stochastic_settings(model)
+    if found:
+        more = f" and {len(found) - 3} more" if len(found) > 3 else ""
         raise ValueError(
-            f"dropout is active ({where}): a shared prefix would share one dropout mask, so the tree walk "
-            "would not equal the dense computation. Put the model in eval mode or disable dropout (TRL's "
-            "disable_dropout=True)."
+            f"randomness is on in train mode ({', '.join(found[:3])}{more}): a shared prefix would share one "
+            "dropout mask or random draw among all the sequences through it, so the tree walk would not "
+            "equal the dense computation. Put the model in eval mode or set these to 0 (TreePPOTrainer does "
+            "with disable_dropout=True; trl_dta.walk.determinism.disable_randomness(model) does it by hand)."
         )
+
+
+def check_vocabulary(trie, vocab: int) -> None:
+    """Refuse a token id the model has no embedding or logit for, naming the sequence."""
+    for i, seq in enumerate(trie.sequences):
+        top = int(seq.max())
+        if top >= vocab:
+            raise ValueError(
+                f"sequence {i} has token id {top}, but the model's vocabulary has {vocab} ids "
+                f"(0..{vocab - 1}); was it tokenized with another tokenizer, or were tokens added without "
+                "resizing the model's embeddings?"
+            )
+
+
+def learned_position_limit(decoder: nn.Module) -> int | None:
+    """Most positions a model with learned absolute position embeddings (GPT-2's ``wpe``, OPT's
+    ``embed_positions``) can encode: its position table's size, less the table's offset. None without one.
+    Only tables at the top of the decoder count (``wpe``, ``embeddings.position_embeddings``): a vision or
+    audio tower deeper inside has position tables of its own that do not limit the text."""
+    limits = []
+    for name, module in decoder.named_modules():
+        leaf = name.rsplit(".", 1)[-1].lower()
+        if isinstance(module, nn.Embedding) and name.count(".") <= 1 and ("pos" in leaf or leaf == "wpe"):
+            limits.append(module.num_embeddings - int(getattr(module, "offset", 0) or 0))
+    return min(limits) if limits else None
+
+
+def check_positions(trie, limit: int | None) -> None:
+    """Refuse sequences longer than a learned position table, naming the first such sequence."""
+    if limit is None or trie.max_depth <= limit:
+        return
+    i = next(i for i in range(len(trie)) if trie.sequence_length(i) > limit)
+    raise ValueError(
+        f"sequence {i} has {trie.sequence_length(i)} tokens, but the model's learned position embeddings "
+        f"cover {limit} positions; truncate the sequences (e.g. max_completion_length) to at most {limit} "
+        "tokens."
+    )
 
 
 def check_length(lm, max_length: int) -> None:

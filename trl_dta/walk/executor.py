@@ -29,12 +29,15 @@ calls is exactly ``sum_i loss_fn(i, logps_i, entropies_i).backward()`` over dens
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from ..trie import PrefixTrie, TrieNode
+from .checks import check_count
 from .forwards import forward, forward_packed, forward_padded
 from .model import CausalLM
 from .path_kv import PathKV
@@ -83,14 +86,24 @@ class TreeExecutor:
         pack_leaves: bool = True,
         subtree_tokens: int = 512,
     ):
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = check_count("block_size", block_size, minimum=1)
+        self.batch_tokens = block_size if batch_tokens is None else check_count("batch_tokens", batch_tokens)
+        self._subtree_tokens = check_count("subtree_tokens", subtree_tokens)
+        self._pack_leaves = bool(pack_leaves)
         self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32)
-        self.block_size = block_size
-        self.batch_tokens = block_size if batch_tokens is None else batch_tokens
-        self.pack_leaves = pack_leaves and self.lm.can_pack
-        self.subtree_tokens = subtree_tokens if self.pack_leaves else 0
-        self.device = self.lm.device
+
+    @property
+    def pack_leaves(self) -> bool:
+        """Whether sibling leaves are packed into one row (asked for, and exact for the model)."""
+        return self._pack_leaves and self.lm.can_pack
+
+    @property
+    def subtree_tokens(self) -> int:
+        return self._subtree_tokens if self.pack_leaves else 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -146,13 +159,27 @@ class TreeExecutor:
         each sequence's log-probs from its ``score_from`` index on."""
         if router_grad is not None and not self.lm.is_moe:
             raise ValueError(f"router_grad given, but {self.lm.name} has no MoE router.")
+        if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
+            mode = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+            raise RuntimeError(
+                f"TreeExecutor.backward was called under {mode}: it computes gradients, so it needs autograd "
+                "on. Call it outside that context (logprobs() is the no-gradient walk)."
+            )
+        if not any(p.requires_grad for p in self.lm.model.parameters()):
+            raise ValueError(
+                f"{self.lm.name} has no parameter that requires grad: backward has nothing to do."
+            )
         total = []
 
         def on_loss(index, lp, ent):
             loss = loss_fn(index, lp, ent)
+            if not isinstance(loss, torch.Tensor):
+                raise TypeError(
+                    f"loss_fn must return a scalar tensor, got {type(loss).__name__} for sequence {index}"
+                )
             if loss.dim() != 0:
                 raise ValueError(
-                    f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)} for {index}"
+                    f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)} for sequence {index}"
                 )
             total.append(loss.detach())
             return loss
@@ -168,9 +195,15 @@ class TreeExecutor:
         router: RouterGrad | RouterStats | None = None, scoring: bool = True,
         score_from: Sequence[int] | None = None,
     ) -> None:  # fmt: skip
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        self.lm.check_call(trie.max_depth)
+        if not isinstance(trie, PrefixTrie):
+            raise TypeError(
+                f"expected a PrefixTrie (PrefixTrie.from_sequences(...)), got {type(trie).__name__}"
+            )
+        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+            raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+        if not 0 < temperature < math.inf:  # NaN fails too
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+        self.lm.check_call(trie)
         seq_from, node_from = scored_from(trie, score_from)
         plan = build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves, self.subtree_tokens)
         walk = Walk(

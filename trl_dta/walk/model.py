@@ -27,6 +27,7 @@ from torch import nn
 
 from . import checks
 from .cache import KV, LayerCache, RecordingCache, cache_kinds
+from .determinism import check_deterministic
 from .errors import UnsupportedModelError
 from .path_kv import PathKV
 from .probe import probe as run_probe
@@ -81,16 +82,19 @@ class CausalLM:
         self.model = model
         self.base = base = _base_model(model)
         self.name = type(base).__name__
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError(
+                f"{self.name} has parameters on the meta device (built without weights, e.g. under "
+                "init_empty_weights or device_map with offloading): load its weights, or materialize it "
+                "with model.to_empty(device=...) and initialize them, before walking it."
+            )
         self.config = base.config.get_text_config()
         self.decoder = base.get_decoder()
         if self.decoder is base:  # e.g. Llama 4: base_model_prefix names an attribute the text model lacks
             self.decoder = getattr(base, "model", None)
-        self.lm_head = base.get_output_embeddings()
-        if self.decoder is None or self.decoder is base or self.lm_head is None:
-            raise UnsupportedModelError(f"{self.name} is not a decoder + LM head causal LM; not supported.")
         self.lm_head_fp32 = lm_head_fp32
-        if lm_head_fp32 and type(self.lm_head) is not nn.Linear:
-            raise ValueError("lm_head_fp32=True needs a plain nn.Linear LM head (no adapter on it).")
+        if self.decoder is None or self.decoder is base:
+            raise UnsupportedModelError(f"{self.name} is not a decoder + LM head causal LM; not supported.")
         self.logit_scale = _logit_scale(self.config)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.cache_kinds = cache_kinds(self.config)
@@ -103,15 +107,30 @@ class CausalLM:
         self.attention_window, self.window_kind = checks.attention_window(self.config)
         # RoPE whose frequencies depend on the call's length: exact up to this many tokens
         self.rope_limit, self.rope_kind = checks.rope_length_limit(base)
+        self.position_limit = checks.learned_position_limit(self.decoder)
         self._warned_checkpointing = False
+        self._deterministic_in: set[bool] = set()  # the modes (training flag) found deterministic
         checks.check_stateful_layers(self.config, self.name)
+        self._probed = probe
+        self._bind()
+
+    def _bind(self) -> None:
+        """Take the model's current LM head and attention backend, and probe them (construction, and a call
+        that finds either replaced)."""
         checks.check_attention_implementation(self.config)
+        self.lm_head = self._output_embeddings()
+        self._bound = self._binding()
         # Packing sibling leaves into one row needs a custom 4-D additive mask (eager, sdpa) that the model
         # applies as given (no window of its own, no index-based bias: the probe checks the latter). State
         # layers would carry one leaf's state into the next leaf of a packed row.
-        impl = getattr(self.config, "_attn_implementation", "eager")
-        self.can_pack = impl in ("eager", "sdpa") and self.attention_window is None and not self.has_states
-        self.can_pack = self.probe() if probe else False
+        impl = getattr(self.config, "_attn_implementation", None) or "eager"
+        self._may_pack = impl in ("eager", "sdpa") and self.attention_window is None and not self.has_states
+        self.can_pack = self.probe() if self._probed else False
+
+    def _binding(self) -> tuple:
+        lm_head = self.base.get_output_embeddings()
+        shape = None if lm_head is None else tuple(lm_head.weight.shape)
+        return lm_head, shape, getattr(self.config, "_attn_implementation", None)
 
     @property
     def is_moe(self) -> bool:
@@ -134,10 +153,37 @@ class CausalLM:
             f"{type(self.decoder).__name__}.forward takes no KV cache; the tree walk needs one."
         )
 
-    def check_call(self, max_length: int) -> None:
-        """Checks that depend on the model's current mode and on the sequences of a call."""
-        checks.check_no_dropout(self.model, self.config)
-        checks.check_length(self, max_length)
+    def _output_embeddings(self) -> nn.Module:
+        lm_head = self.base.get_output_embeddings()
+        if lm_head is None:
+            raise UnsupportedModelError(f"{self.name} is not a decoder + LM head causal LM; not supported.")
+        if self.lm_head_fp32 and type(lm_head) is not nn.Linear:
+            raise ValueError("lm_head_fp32=True needs a plain nn.Linear LM head (no adapter on it).")
+        return lm_head
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the model can both embed and score (the smaller of its input and output embeddings)."""
+        embeddings = self.base.get_input_embeddings()
+        sizes = [self.lm_head.weight.shape[0]] + ([] if embeddings is None else [embeddings.weight.shape[0]])
+        return min(sizes)
+
+    def check_call(self, trie) -> None:
+        """Checks that depend on the model's current state and mode and on the sequences of a call (a
+        :class:`~trl_dta.PrefixTrie`): the LM head and attention backend are those the executor probed
+        (bound and probed again if either was replaced, e.g. by ``resize_token_embeddings``), no randomness
+        is on, every id has an embedding, and no sequence exceeds a length limit."""
+        binding = self._binding()
+        if binding[0] is not self._bound[0] or binding[1:] != self._bound[1:]:
+            logger.info("%s: its LM head or attention backend changed; binding and probing again.", self.name)
+            self._bind()
+        checks.check_no_randomness(self.model)
+        if self.model.training not in self._deterministic_in:
+            check_deterministic(self.model, self.base, self.device, self.name)
+            self._deterministic_in.add(self.model.training)
+        checks.check_vocabulary(trie, self.vocab_size)
+        checks.check_positions(trie, self.position_limit)
+        checks.check_length(self, trie.max_depth)
 
     @contextlib.contextmanager
     def no_gradient_checkpointing(self):
@@ -168,7 +214,9 @@ class CausalLM:
         self.model.eval()
         try:
             with torch.autocast(self.device.type, enabled=False):
-                return run_probe(self, try_packing=self.can_pack)
+                can_pack = run_probe(self, try_packing=self._may_pack)
+                self._deterministic_in.add(False)  # (the probe's first check)
+                return can_pack
         finally:
             for m, mode in modes:
                 m.training = mode

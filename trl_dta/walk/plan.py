@@ -39,9 +39,11 @@ Rules:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..trie import PrefixTrie, TrieNode
+from .checks import check_count
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,10 @@ Step = Push | SiblingLeaves | PackedSubtree | Pop
 
 @dataclass
 class _Builder:
+    """Builds the plan depth-first without recursion (a trie may be thousands of nodes deep: the per-turn
+    samples of one long conversation are each a prefix of the next). Each node being visited is a generator
+    on an explicit stack; it yields the internal children the driver in :func:`build_plan` visits next."""
+
     trie: PrefixTrie
     block_size: int
     batch_tokens: int
@@ -100,16 +106,16 @@ class _Builder:
     subtree_tokens: int = 0
     steps: list[Step] = field(default_factory=list)
     graph_tokens: int = 0  # tokens with a kept graph currently on the stack
-    _sizes: dict[TrieNode, int] = field(default_factory=dict)  # subtree tokens of the nodes seen so far
+    _sizes: dict[TrieNode, int] = field(default_factory=dict)  # subtree tokens per node (packed subtrees)
 
-    def _subtree_size(self, node: TrieNode) -> int:
-        if node not in self._sizes:
-            self._sizes[node] = node.num_tokens + sum(self._subtree_size(c) for c in node.children)
-        return self._sizes[node]
+    def __post_init__(self):
+        if self.packed and self.subtree_tokens > 0:
+            for node in reversed(list(self.trie.nodes())):  # children before parents
+                self._sizes[node] = node.num_tokens + sum(self._sizes[c] for c in node.children)
 
     def _packs_subtree(self, node: TrieNode) -> bool:
         limit = min(self.subtree_tokens, self.batch_tokens, self.block_size)
-        return self.packed and not node.is_leaf and self._subtree_size(node) <= limit
+        return self.packed and self.subtree_tokens > 0 and not node.is_leaf and self._sizes[node] <= limit
 
     def _subtree(self, node: TrieNode) -> PackedSubtree:
         segments, parents, todo = [], [], [(node, -1)]
@@ -149,7 +155,8 @@ class _Builder:
         lengths = [s.num_tokens for s in batch]
         return sum(lengths) if self.packed else len(lengths) * max(lengths)
 
-    def visit_children(self, node: TrieNode) -> None:
+    def children(self, node: TrieNode) -> Iterator[TrieNode]:
+        """Steps for the children of ``node``; yields each child to visit whole before going on."""
         batch: list[Segment] = []
         for child in self.trie.walk_children(node):
             if child.is_leaf and child.num_tokens <= self.block_size:
@@ -162,10 +169,11 @@ class _Builder:
             if self._packs_subtree(child):
                 self.steps.append(self._subtree(child))
             else:
-                self.visit(child)
+                yield child
         self._flush(batch)
 
-    def visit(self, node: TrieNode) -> None:
+    def visit(self, node: TrieNode) -> Iterator[TrieNode]:
+        """Pushes of ``node``'s segments, its children's steps (yielding the children to visit), its pops."""
         pieces = self._pieces(node)
         if node.is_leaf:  # a leaf longer than a block: a chain of pushes ending in a one-leaf step
             pieces, tail = pieces[:-1], pieces[-1]
@@ -173,7 +181,7 @@ class _Builder:
         if node.is_leaf:
             self.steps.append(SiblingLeaves((tail,)))
         else:
-            self.visit_children(node)
+            yield from self.children(node)
         for push in reversed(pushes):
             self._pop(push)
 
@@ -184,12 +192,15 @@ def build_plan(
     """The list of steps that walks ``trie`` (see the module docstring for the rules); ``packed``: sibling
     leaves are forwarded packed into one row (their budget counts their tokens, not padded rows), and
     subtrees of at most ``subtree_tokens`` tokens are packed whole (0: never)."""
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    if batch_tokens < 0:
-        raise ValueError(f"batch_tokens must be >= 0, got {batch_tokens}")
-    if subtree_tokens < 0:
-        raise ValueError(f"subtree_tokens must be >= 0, got {subtree_tokens}")
+    block_size = check_count("block_size", block_size, minimum=1)
+    batch_tokens = check_count("batch_tokens", batch_tokens)
+    subtree_tokens = check_count("subtree_tokens", subtree_tokens)
     builder = _Builder(trie, block_size, batch_tokens, packed, subtree_tokens)
-    builder.visit_children(trie.root)
+    visiting = [builder.children(trie.root)]  # the nodes being visited, root first
+    while visiting:
+        child = next(visiting[-1], None)
+        if child is None:
+            visiting.pop()
+        else:
+            visiting.append(builder.visit(child))
     return builder.steps

@@ -5,6 +5,7 @@ second on the first's K/V and states), then three sibling leaves of 2-4 tokens o
 as a padded batch, then packed into one row with a hand-made mask. Every forward runs as the walk runs it,
 on a :class:`~trl_dta.walk.path_kv.PathKV`. What each comparison catches:
 
+* two dense forwards of the same input: a model that draws random numbers in eval mode;
 * the prefix's logits against a dense forward of a longer sequence: a model that is not causal;
 * the first segment's logits: an LM-head transform the walk does not reproduce;
 * the second segment and the leaves: a cache the model ignores, a state it does not carry, anything that
@@ -26,6 +27,7 @@ import torch
 
 from ..compare import relative_error
 from .cache import expand_states, states_of
+from .determinism import check_deterministic
 from .errors import UnsupportedModelError
 from .packing import packed_inputs
 from .path_kv import PathKV
@@ -105,6 +107,8 @@ def probe(lm, try_packing: bool) -> bool:
             f"{p.name}'s own forward fails on a plain input of token ids ({type(e).__name__}: {e}); "
             "not supported."
         ) from e
+    # (eval mode: randomness here cannot be switched off by the caller)
+    check_deterministic(p.lm.model, p.lm.base, p.device, p.name, exc=UnsupportedModelError)
     err = relative_error(dense_prefix, dense_leaves[0][:_PREFIX])
     if not err <= p.tolerance:
         raise UnsupportedModelError(

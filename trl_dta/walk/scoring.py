@@ -9,6 +9,7 @@ bookkeeping.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,10 @@ def scored_from(trie: PrefixTrie, score_from: Sequence[int] | None):
     are contiguous along its path."""
     if score_from is None:
         return [0] * len(trie), None
+    score_from = score_from.tolist() if hasattr(score_from, "tolist") else list(score_from)  # tensor, array
+    for i, first in enumerate(score_from):
+        if isinstance(first, bool) or not isinstance(first, numbers.Integral):
+            raise TypeError(f"score_from[{i}] must be an int (a log-prob index), got {first!r}")
     if len(score_from) != len(trie):
         raise ValueError(f"score_from has {len(score_from)} entries for {len(trie)} sequences")
     node_from: dict[TrieNode, int] = {}
@@ -30,7 +35,7 @@ def scored_from(trie: PrefixTrie, score_from: Sequence[int] | None):
             raise ValueError(f"score_from[{i}] = {first} is outside [0, {trie.sequence_length(i) - 1}]")
         for node in trie.path(i):
             node_from[node] = min(node_from.get(node, first), first)
-    return list(score_from), node_from
+    return [int(f) for f in score_from], node_from
 
 
 def path_scores(stack, logps, ents, leaf_from: int, seq_from: int, above=()):
