@@ -8,7 +8,8 @@ packed), ``scoring.py`` (which positions get the LM head, a sequence's log-probs
 ``router.py`` (MoE router terms). The model side: ``model.py`` (:class:`CausalLM`, the adapter over a
 ``transformers`` model), ``cache.py`` (the cache object the model writes into), ``path_kv.py`` (the path's
 K/V in one buffer per layer), ``packing.py`` (positions and mask of a packed row), ``checks.py``,
-``determinism.py`` and ``probe.py`` (what is refused, randomness, and the construction probe), ``errors.py`` (:class:`UnsupportedModelError`).
+``determinism.py`` and ``probe.py`` (what is refused, randomness, and the construction probe),
+``errors.py`` (:class:`UnsupportedModelError`).
 """
 
 from __future__ import annotations
