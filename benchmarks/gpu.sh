@@ -16,10 +16,13 @@
 #   2. environment: versions, the GPU, `import trl_dta` stays cheap and needs no TRL for the executor path;
 #   3. parity: `peers.py --parity` (fp32, TF32 off): every method's gradients against dense on tiny random
 #      tries, plus the executor's chunked-backward and unpacked-leaves paths; fails the script on a mismatch;
-#   4. benchmark: `peers.py --profile gpu` (Qwen3-0.6B then 1.7B shapes, random weights, bf16, sdpa and
+#   4. FSDP2 smoke test: `fsdp2_smoke.py` (world size 1, fp32: the walk on a fully_shard-ed model against
+#      dense gradients, FSDP2's gathers and reductions per walk, the walk's CUDA peak against the README's
+#      memory model); ~30 s; fails the script on a mismatch;
+#   5. benchmark: `peers.py --profile gpu` (Qwen3-0.6B then 1.7B shapes, random weights, bf16, sdpa and
 #      flash-attn if installed, 4k-16k contexts, torch.cuda.max_memory_allocated), tables in OUT_DIR.
-# Outputs (OUT_DIR): env.txt, parity.json, parity.log, peers_gpu.json, peers_gpu.md, peers_gpu.log and
-# the plots peers_gpu_speedup.png, peers_gpu_memory.png.
+# Outputs (OUT_DIR): env.txt, parity.json, parity.log, fsdp2_smoke.json, fsdp2_smoke.log, peers_gpu.json,
+# peers_gpu.md, peers_gpu.log and the plots peers_gpu_speedup.png, peers_gpu_memory.png.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -58,7 +61,7 @@ install_wheel flash_attn 'flash_attn-*.whl' || echo "flash-attn: not installed, 
 for f in "$PEERS" benchmarks/common.py benchmarks/peer_bench/__init__.py; do
     test -f "$f" || { echo "missing $f"; exit 1; }
 done
-"$PY" -m py_compile "$PEERS" benchmarks/common.py benchmarks/peer_bench/*.py
+"$PY" -m py_compile "$PEERS" benchmarks/common.py benchmarks/peer_bench/*.py benchmarks/fsdp2_smoke.py
 bash -n "${BASH_SOURCE[0]}"
 "$PY" - <<'PY' | tee "$OUT_DIR/env.txt"
 import sys, time
@@ -88,6 +91,9 @@ if [ $DRY = 1 ]; then
     echo "== parity, fp32, on CPU"
     "$PY" "$PEERS" --parity --device cpu --attn sdpa --threads 1 --out "$OUT_DIR" 2>&1 \
         | tee "$OUT_DIR/parity.log" | grep -v -i warn | tail -n 28
+    echo "== FSDP2 smoke test on CPU (gloo, world size 1)"
+    "$PY" benchmarks/fsdp2_smoke.py --device cpu --hidden 256 --layers 4 --out "$OUT_DIR" 2>&1 \
+        | tee "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 14
     echo "== smallest configuration on CPU (tiny model, the GPU profile's first shape x 1/32, bf16, 1 repeat)"
     "$PY" "$PEERS" --profile gpu --device cpu --models tiny --attn sdpa --dtype bfloat16 --scale 0.03125 \
         --shapes grpo-4k-g16 --no_sweep --repeats 1 --threads 1 --out "$OUT_DIR" 2>&1 \
@@ -107,12 +113,19 @@ parity_rc=0  # a parity failure fails the script, after the benchmark has run (i
 timeout "$PARITY_TIMEOUT" "$PY" "$PEERS" --parity --device cuda --attn "$ATTN" --out "$OUT_DIR" \
     2>&1 | tee "$OUT_DIR/parity.log" | grep -v -i warn | tail -n 40 || parity_rc=$?
 
-# ---- 4. the peer benchmark (bf16)
+# ---- 4. FSDP2 smoke test (fp32, world size 1)
+echo "== FSDP2 smoke test, fp32, cuda"
+fsdp_rc=0
+timeout 120 "$PY" benchmarks/fsdp2_smoke.py --device cuda --hidden 2048 --layers 8 --out "$OUT_DIR" 2>&1 \
+    | tee "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 14 || fsdp_rc=$?
+
+# ---- 5. the peer benchmark (bf16)
 echo "== peer benchmark, bf16, cuda ($ATTN), budget ${BENCH_BUDGET}s"
 rc=0
 timeout "$BENCH_TIMEOUT" "$PY" "$PEERS" --profile gpu --attn "$ATTN" --time_budget "$BENCH_BUDGET" \
     --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/peers_gpu.log" | grep -v -i warn | tail -n 80 || rc=$?
 ls -la "$OUT_DIR"
-echo "== parity exit $parity_rc, benchmark exit $rc ($(date -u +%FT%TZ))"
+echo "== parity exit $parity_rc, FSDP2 smoke exit $fsdp_rc, benchmark exit $rc ($(date -u +%FT%TZ))"
 [ "$parity_rc" = 0 ] || exit "$parity_rc"
+[ "$fsdp_rc" = 0 ] || exit "$fsdp_rc"
 exit "$rc"

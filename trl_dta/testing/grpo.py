@@ -409,7 +409,8 @@ def make_trainer(
 # ------------------------------------------------------------------------------------------------------------
 class GradRecorder(TrainerCallback):
     """Records, at every optimizer step, a copy of each trainable parameter's `.grad` (accumulated over the
-    step's micro-batches) in `on_pre_optimizer_step`, i.e. just before `optimizer.step()`. Transformers clips
+    step's micro-batches) in `on_pre_optimizer_step`, i.e. just before `optimizer.step()` (whole tensors, also
+    for FSDP2-sharded parameters). Transformers clips
     *before* this hook, so keep max_grad_norm=0 (make_config's default) to record unclipped gradients."""
 
     def __init__(self):
@@ -419,4 +420,7 @@ class GradRecorder(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         self.steps.append(state.global_step)
         grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
-        self.grads.append({n: g.detach().clone() for n, g in grads.items()})
+        # a sharded (FSDP2) gradient is a DTensor: record the whole tensor
+        self.grads.append(
+            {n: getattr(g, "full_tensor", g.detach)().detach().clone() for n, g in grads.items()}
+        )

@@ -19,6 +19,9 @@ saving. What changes:
 * The LM head runs only on completion positions (``score_from``), as TRL's ``logits_to_keep`` does.
 * :meth:`TreePPOTrainer.dense_loss` is stock TRL's dense loss of a micro-batch, for checking the walk
   (``tree_check_gradients``).
+* Multi-process: under DDP the walk runs on the unwrapped module and the trainer averages the gradients
+  once per step; under FSDP2 the walk gathers the parameters once and FSDP2 reduce-scatters once per walk
+  (:mod:`trl_dta.walk.sharding`). FSDP1 and DeepSpeed are refused.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from trl.trainer.utils import split_tensor_dict
 
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
+from ..walk.sharding import fsdp_units
 from . import distributed
 from .config import TreePPOConfig
 from .gradient_check import GradientCheck
@@ -98,13 +102,7 @@ class TreePPOTrainer(GRPOTrainer):
             raise ValueError(
                 "use_liger_kernel replaces the loss computation; it is not supported by the tree walk."
             )
-        kind = self.accelerator.distributed_type
-        if kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
-            raise ValueError(
-                f"{kind} is not supported: the tree walk makes many forward calls per step, and sharded "
-                "training (FSDP, DeepSpeed ZeRO-3) gathers parameters on each; use single process or DDP "
-                "(multi-GPU / multi-CPU)."
-            )
+        _check_distributed(self.accelerator)
         if a.disable_dropout:
             self._disable_randomness()
         self._multi_process = self.accelerator.num_processes > 1
@@ -228,8 +226,9 @@ class TreePPOTrainer(GRPOTrainer):
             walked = self._walk(model, [inputs], training=False)[0]
         loss = self._trl_loss(inputs, walked)
         if mode == "train" and torch.is_grad_enabled():
-            if self._multi_process and self.accelerator.sync_gradients:
+            if self._multi_process and self.accelerator.sync_gradients and not fsdp_units(model):
                 # the walk ran on the unwrapped module (no DDP hooks): average the accumulated gradients once
+                # (on an FSDP2 model the walk has reduce-scattered them itself)
                 distributed.all_reduce_gradients([p for p in model.parameters() if p.requires_grad])
             return torch.zeros((), device=loss.device, requires_grad=True) + loss  # gradients are in .grad
         return loss
@@ -390,6 +389,25 @@ class _DensePass:
 
     def __init__(self, module):
         self.module = module
+
+
+def _check_distributed(accelerator) -> None:
+    """Single process, DDP (multi-GPU / multi-CPU) and FSDP2 are supported; FSDP1, DeepSpeed are refused."""
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        version = getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1)
+        if version != 2:
+            raise ValueError(
+                f"FSDP version {version} is not supported by the tree walk: use FSDP2 (fsdp_version: 2 in "
+                "the accelerate config, as in recipes/accelerate_configs/fsdp2.yaml), under which the walk "
+                "gathers the parameters once per step and reduces the gradients once."
+            )
+    elif kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        raise ValueError(
+            f"{kind} is not supported: the tree walk makes many forward and backward calls per step, and "
+            "DeepSpeed ZeRO gathers and reduces on each. Use FSDP2 (recipes/accelerate_configs/fsdp2.yaml) "
+            "for sharded training, or DDP (multi-GPU / multi-CPU)."
+        )
 
 
 def _score_from(owners) -> list[int]:

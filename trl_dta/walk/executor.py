@@ -44,6 +44,7 @@ from .path_kv import PathKV
 from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, build_plan
 from .router import RouterGrad, RouterStats, route
 from .scoring import path_scores, score_rows, scored_from
+from .sharding import gathered
 from .state import Frame, OnSequence, SegmentOutputs, Walk, flat_outputs
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -54,7 +55,8 @@ class TreeExecutor:
 
     Args:
         model: a ``transformers`` causal LM that takes a KV cache (see docs/supported-models.md), plain or
-            PEFT (LoRA) wrapped. Dropout must be off while it trains (it is checked at each call). Models the
+            PEFT (LoRA) wrapped, whole or sharded with FSDP2 (``fully_shard``: each walk gathers every unit
+            once and reduce-scatters the gradients once, :mod:`trl_dta.walk.sharding`). Dropout must be off while it trains (it is checked at each call). Models the
             walk cannot compute exactly raise :class:`~trl_dta.UnsupportedModelError`.
         block_size: most tokens forwarded with an autograd graph kept on the stack, and longest segment. Paths
             longer than that are walked with chunked backward (blocks forwarded without a graph, recomputed
@@ -203,14 +205,15 @@ class TreeExecutor:
             raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
         if not 0 < temperature < math.inf:  # NaN fails too
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-        self.lm.check_call(trie)
-        seq_from, node_from = scored_from(trie, score_from)
-        plan = build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves, self.subtree_tokens)
-        walk = Walk(
-            trie, temperature, entropies, grad, on_sequence, PathKV(self._capacity(plan)), seq_from,
-            node_from, router, scoring,
-        )  # fmt: skip
-        with self.lm.no_gradient_checkpointing():
+        model = self.lm.model
+        with gathered(model, grad), self.lm.no_gradient_checkpointing():
+            self.lm.check_call(trie)
+            seq_from, node_from = scored_from(trie, score_from)
+            plan = build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves, self.subtree_tokens)
+            walk = Walk(
+                trie, temperature, entropies, grad, on_sequence, PathKV(self._capacity(plan)), seq_from,
+                node_from, router, scoring,
+            )  # fmt: skip
             for step in plan:
                 if isinstance(step, Push):
                     self._push(walk, step)

@@ -31,6 +31,7 @@ from .determinism import check_deterministic
 from .errors import UnsupportedModelError
 from .path_kv import PathKV
 from .probe import probe as run_probe
+from .sharding import gathered, is_fsdp1
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,12 @@ class CausalLM:
     """
 
     def __init__(self, model: nn.Module, lm_head_fp32: bool = False, probe: bool = True):
+        if is_fsdp1(model):
+            raise UnsupportedModelError(
+                "the model is wrapped by FSDP1 (FullyShardedDataParallel), which the tree walk does not "
+                "support; shard it with FSDP2 (torch.distributed.fsdp.fully_shard; accelerate: "
+                "fsdp_version: 2)."
+            )
         self.model = model
         self.base = base = _base_model(model)
         self.name = type(base).__name__
@@ -213,7 +220,10 @@ class CausalLM:
         modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         try:
-            with torch.autocast(self.device.type, enabled=False):
+            with (
+                torch.autocast(self.device.type, enabled=False),
+                gathered(self.model, grad=False),
+            ):
                 can_pack = run_probe(self, try_packing=self._may_pack)
                 self._deterministic_in.add(False)  # (the probe's first check)
                 return can_pack

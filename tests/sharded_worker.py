@@ -1,0 +1,227 @@
+"""One rank of the FSDP2 executor test (tests/test_sharded.py): torchrun, gloo, CPU.
+
+Every rank builds the same fp32 model and the same random tries, shards the model with ``fully_shard`` (per
+decoder layer, then the root, as accelerate's FSDP2 wraps it), walks its lexicographic part of each trie, and
+compares the ``full_tensor()`` of its sharded gradients with the dense per-sequence gradients of ALL ranks'
+sequences, averaged over ranks (FSDP2's reduction). It counts FSDP2's all-gathers and reduce-scatters per
+walk. Rank 0 writes the results to ``argv[1]``; argv[2:] are the case names (see CASES).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import VOCAB, make_model  # noqa: E402
+
+from trl_dta import PrefixTrie, TreeExecutor, lexicographic_partition  # noqa: E402
+from trl_dta.compare import relative_error  # noqa: E402
+
+# case -> (model, executor options)
+CASES = {
+    "qwen3": ("qwen3", {}),
+    "qwen3-chunked": ("qwen3", {"block_size": 4, "batch_tokens": 6}),
+    "qwen3-padded": ("qwen3", {"pack_leaves": False}),
+    "lora": ("lora", {}),
+    "qwen3_5": ("qwen3_5", {}),
+    "qwen3-bf16": ("qwen3-bf16", {}),
+}
+
+COUNTS = {"all_gather": 0, "reduce_scatter": 0, "backward": 0, "forward": 0}
+
+
+def _counting(module, name, key):
+    original = getattr(module, name)
+
+    def wrapped(*args, **kwargs):
+        COUNTS[key] += 1
+        return original(*args, **kwargs)
+
+    setattr(module, name, wrapped)
+
+
+_counting(dist, "all_gather_single", "all_gather")
+_counting(dist, "reduce_scatter_single", "reduce_scatter")
+_counting(torch.autograd, "backward", "backward")
+
+
+def build(kind: str):
+    if kind == "qwen3_5":
+        from test_hybrid import hybrid_model
+
+        return hybrid_model("qwen3_5", seed=0, dtype=torch.float32).train()
+    model = make_model("qwen3", "sdpa", dtype=torch.float32).train()
+    if kind == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False)
+        )
+    return model
+
+
+def decoder_layers(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model.layers
+
+
+def shard(model, kind: str):
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if kind.endswith("bf16")
+        else MixedPrecisionPolicy()
+    )
+    for layer in decoder_layers(model):
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def tries(seed: int) -> list[list[int]]:
+    """A shared system prompt, groups under their prompts, a duplicate, and sequences that are prefixes of
+    others."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 6))]
+    seqs = []
+    for _ in range(rng.randint(2, 4)):
+        prompt = system + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 5))]
+        seqs += [
+            prompt + [rng.randrange(3, VOCAB) for _ in range(rng.randint(1, 7))]
+            for _ in range(rng.randint(2, 4))
+        ]
+    seqs.append(list(seqs[0]))  # a duplicate
+    seqs.append(seqs[1][:-1] if len(seqs[1]) > 2 else seqs[1] + [5])  # a prefix (or an extension) of another
+    seqs.append(seqs[2] + [rng.randrange(3, VOCAB)])
+    return seqs
+
+
+def loss_for(seq_index: int):
+    weight = torch.tensor(1.0 + 0.1 * seq_index)
+
+    def loss(logps, entropies):
+        return -(logps * weight).sum() + 0.01 * (entropies**2).sum()
+
+    return loss
+
+
+def dense_reference(model, seqs, world):
+    """sum over ALL sequences of their losses, / world (FSDP2 averages over ranks): dense, per sequence."""
+    model.zero_grad(set_to_none=True)
+    for i, seq in enumerate(seqs):
+        ids = torch.tensor(seq)[None]
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        lsm = torch.log_softmax(logits, -1)
+        lp = lsm.gather(-1, ids[0, 1:, None]).squeeze(-1)
+        ent = -(lsm.exp() * lsm).sum(-1)
+        (loss_for(i)(lp, ent) / world).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def walk_reference(executor, model, seqs, world):
+    """The same walk on the unsharded model, over ALL sequences, / world."""
+    model.zero_grad(set_to_none=True)
+    executor.backward(PrefixTrie.from_sequences(seqs), lambda j, lp, ent: loss_for(j)(lp, ent) / world,
+                      entropies=True)  # fmt: skip
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def dense_sharded(model, seqs, world):
+    """Stock FSDP2 (a gather and a reduce-scatter per call, so every rank must make the same calls): every
+    sequence forwarded and backpropagated one by one on every rank, / world, averaged over ranks by FSDP2."""
+    model.zero_grad(set_to_none=True)
+    for i, seq in enumerate(seqs):
+        ids = torch.tensor(seq)[None]
+        lsm = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+        lp = lsm.gather(-1, ids[0, 1:, None]).squeeze(-1)
+        (loss_for(i)(lp, -(lsm.exp() * lsm).sum(-1)) / world).backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _gather_steps(executor, trie) -> list[int]:
+    """Each rank's number of plan steps (the per-layer mode pads every rank to the most)."""
+    from trl_dta.walk.plan import build_plan
+
+    steps = len(build_plan(trie, executor.block_size, executor.batch_tokens, executor.pack_leaves,
+                           executor.subtree_tokens))  # fmt: skip
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, steps)
+    return out
+
+
+def run_case(case: str, rank: int, world: int) -> dict:
+    kind, options = CASES[case]
+    reference_model = build(kind)
+    reference_walk = TreeExecutor(reference_model, **options)
+    model = shard(build(kind), kind)
+    executor = TreeExecutor(model, **options)
+    units = sum(1 for _ in decoder_layers(model)) + 1
+    out = {"units": units, "walks": []}
+    for seed in range(3):
+        seqs = tries(1000 * len(case) + seed)
+        part = lexicographic_partition(seqs, world)[rank]
+        ref = dense_reference(reference_model, seqs, world)
+        walked = walk_reference(reference_walk, reference_model, seqs, world)
+        stock = dense_sharded(model, seqs, world) if kind.endswith("bf16") else None
+        trie = PrefixTrie.from_sequences([seqs[i] for i in part])
+        model.zero_grad(set_to_none=True)
+        for k in COUNTS:
+            COUNTS[k] = 0
+        hook = decoder_layers(model)[0].register_forward_pre_hook(
+            lambda *a: COUNTS.__setitem__("forward", COUNTS["forward"] + 1)
+        )
+        executor.backward(trie, lambda j, lp, ent, part=part: loss_for(part[j])(lp, ent), entropies=True)
+        hook.remove()
+        walk_counts = dict(COUNTS)
+        walk_counts["steps_all_ranks"] = _gather_steps(executor, trie)
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+        err = relative_error({n: grads[n] for n in ref}, ref, tiny=1e-6)
+        walk_err = relative_error({n: grads[n] for n in walked}, walked, tiny=1e-6)
+        stock_err = None if stock is None else relative_error({n: stock[n] for n in ref}, ref, tiny=1e-6)
+        for k in COUNTS:
+            COUNTS[k] = 0
+        with torch.no_grad():
+            logps = executor.logprobs(trie)
+            dense = [
+                torch.log_softmax(
+                    reference_model(input_ids=torch.tensor(seqs[i])[None]).logits[0, :-1].float(), -1
+                )
+                .gather(-1, torch.tensor(seqs[i])[1:, None])
+                .squeeze(-1)
+                for i in part
+            ]
+        lp_err = max(relative_error(a, b) for a, b in zip(logps, dense, strict=True))
+        out["walks"].append(
+            {
+                "grad_error": err,
+                "walk_error": walk_err,
+                "stock_error": stock_err,
+                "logp_error": lp_err,
+                "missing": sorted(set(ref) - set(grads)),
+                "counts": walk_counts,
+                "logprob_counts": dict(COUNTS),
+                "sequences": len(part),
+            }
+        )
+    return out
+
+
+def main():
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {case: run_case(case, rank, world) for case in sys.argv[2:]}
+    if rank == 0:
+        Path(sys.argv[1]).write_text(json.dumps({"world": world, "cases": results}, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The walk on FSDP2-sharded models (torch.distributed.fsdp.fully_shard), on CPU with gloo.
+
+* The executor on 2 and 4 processes (tests/sharded_worker.py): each rank walks its lexicographic part of
+  random tries; the full sharded gradients equal the dense per-sequence gradients of all ranks' sequences
+  averaged over ranks (FSDP2's reduction), and FSDP2 gathers and reduce-scatters once per unit per walk.
+* The trainer (tests/fsdp_trainer_worker.py): TreePPOTrainer on a sharded model against stock
+  GRPOTrainer on the same model unsharded, 2 optimizer steps with clipping, gradient accumulation 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.utils import DistributedType
+
+from trl_dta.compare import relative_error
+
+HERE = Path(__file__).parent
+FP32 = 1e-5  # the issue's bound for fp32 parity, per tensor
+# transformers' state kernels (gated delta rule, conv) compute in float32 with their own summation order:
+# the unsharded walk of Qwen3.5 differs from dense by ~4e-5 as well (docs/supported-models.md)
+STATE_KERNELS = 1e-4
+
+
+def torchrun(procs: int, out: Path, cases: list[str]) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
+           str(HERE / "sharded_worker.py"), str(out), *cases]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out.parent)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def check_case(case: str, result: dict) -> None:
+    trainable_units = 2 if case == "lora" else result["units"]  # LoRA: the root's unit has nothing to train
+    for walk in result["walks"]:
+        assert not walk["missing"]
+        if case.endswith("bf16"):  # bf16 compute (MixedPrecisionPolicy): no worse than stock FSDP2 dense
+            assert walk["grad_error"] <= 2 * walk["stock_error"], walk
+            assert walk["logp_error"] <= 2e-2
+        else:
+            assert walk["walk_error"] <= FP32, walk  # against the same walk, unsharded, of all sequences
+            assert walk["grad_error"] <= (STATE_KERNELS if case.startswith("qwen3_5") else FP32), walk
+            assert walk["logp_error"] <= FP32
+        # one gather and one reduce-scatter per unit, whatever each rank's number of model calls
+        assert walk["counts"]["all_gather"] == result["units"], walk
+        assert walk["counts"]["reduce_scatter"] == trainable_units, walk
+        assert walk["logprob_counts"] == {"all_gather": result["units"], "reduce_scatter": 0, "backward": 0,
+                                          "forward": 0}  # fmt: skip
+
+
+CASES = ["qwen3", "qwen3-chunked", "qwen3-padded", "lora", "qwen3_5", "qwen3-bf16"]
+
+
+def test_sharded_executor_two_processes(tmp_path):
+    out = torchrun(2, tmp_path / "two.json", CASES)
+    assert out["world"] == 2
+    for case in CASES:
+        check_case(case, out["cases"][case])
+    # the ranks' plans really differ (collectives cannot be matched call by call)
+    steps = [w["counts"]["steps_all_ranks"] for w in out["cases"]["qwen3-padded"]["walks"]]
+    assert any(len(set(s)) > 1 for s in steps)
+
+
+def test_sharded_executor_four_processes(tmp_path):
+    cases = ["qwen3-chunked", "lora"]
+    out = torchrun(4, tmp_path / "four.json", cases)
+    assert out["world"] == 4
+    for case in cases:
+        check_case(case, out["cases"][case])
+
+
+@pytest.mark.parametrize("variant", ["plain", "kl", "lora"])
+def test_trainer_on_a_sharded_model_equals_stock_trl(tmp_path, model_dir, variant):
+    out = tmp_path / "grads.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(HERE / "fsdp_trainer_worker.py"), str(out), model_dir, variant]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    got = torch.load(out)
+    assert all(n > 0 for n in got["sharded_parameters"])  # the policy (and reference) really were sharded
+    assert len(got["tree"]) == len(got["stock"]) == 2
+    for tree, stock in zip(got["tree"], got["stock"], strict=True):
+        assert tree.keys() == stock.keys()
+        assert relative_error(tree, stock, tiny=1e-9) <= 1e-4
+
+
+def _accelerator(kind, version=None):
+    plugin = SimpleNamespace(fsdp_version=version)
+    return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin))
+
+
+def test_fsdp1_and_deepspeed_are_refused_naming_fsdp2():
+    from trl_dta.train.trainer import _check_distributed
+
+    _check_distributed(_accelerator(DistributedType.FSDP, 2))  # FSDP2: accepted
+    _check_distributed(_accelerator(DistributedType.MULTI_GPU))
+    with pytest.raises(ValueError, match="FSDP version 1 is not supported.*fsdp_version: 2"):
+        _check_distributed(_accelerator(DistributedType.FSDP, 1))
+    with pytest.raises(ValueError, match="DEEPSPEED.*Use FSDP2"):
+        _check_distributed(_accelerator(DistributedType.DEEPSPEED))
