@@ -56,8 +56,9 @@ class TreeExecutor:
     Args:
         model: a ``transformers`` causal LM that takes a KV cache (see docs/supported-models.md), plain or
             PEFT (LoRA) wrapped, whole or sharded with FSDP2 (``fully_shard``: each walk gathers every unit
-            once and reduce-scatters the gradients once, :mod:`trl_dta.walk.sharding`). Dropout must be off while it trains (it is checked at each call). Models the
-            walk cannot compute exactly raise :class:`~trl_dta.UnsupportedModelError`.
+            once and reduce-scatters the gradients once, :mod:`trl_dta.walk.sharding`). Randomness must be
+            off while it trains (checked at each call: :mod:`trl_dta.walk.determinism`). Models the walk
+            cannot compute exactly raise :class:`~trl_dta.UnsupportedModelError`.
         block_size: most tokens forwarded with an autograd graph kept on the stack, and longest segment. Paths
             longer than that are walked with chunked backward (blocks forwarded without a graph, recomputed
             with one when popped); logits are never computed for more than a block (or a leaf batch) at once.
