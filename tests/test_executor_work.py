@@ -155,3 +155,46 @@ def test_lm_head_runs_only_on_scored_positions(block_size):
         assert sum(counter.head_rows) == trie.num_unique_tokens - len(trie.root.children)
     finally:
         counter.remove()
+
+
+def test_call_counts_are_the_model_calls():
+    """``executor.calls`` (tree/calls, tree/tokens_per_call) counts what goes through the model: forward calls
+    and their token positions as the embeddings see them, and backward calls only in gradient walks."""
+    model = make_model("qwen3", "sdpa", dtype=torch.float32)
+    trie = PrefixTrie.from_sequences(sequences())
+    executor = TreeExecutor(model, block_size=16, batch_tokens=24)
+    counter = TokenCounter(model)
+    try:
+        executor.backward(trie, loss_fn)
+        assert executor.calls.forward == len(counter.calls) > 1
+        assert executor.calls.tokens == counter.tokens
+        backward = executor.calls.backward
+        assert 1 <= backward <= executor.calls.forward  # one per leaf batch and per popped segment at most
+        executor.logprobs(trie)
+        assert executor.calls.forward == len(counter.calls) and executor.calls.backward == backward
+    finally:
+        counter.remove()
+
+
+def test_flop_ideal_matches_a_count_over_unique_prefixes():
+    """dense / walk FLOPs (tree/flop_ratio): the walk's side counted by brute force over distinct prefixes
+    (each token once, at its position) and distinct (context, target) pairs the LM head scores."""
+    from trl_dta.walk.flops import per_token_costs
+
+    model = make_model("qwen3", "sdpa", dtype=torch.float32)
+    seqs = sequences()
+    froms = [40 + 9 - 1 - (i % 3) for i in range(len(seqs))]
+    executor = TreeExecutor(model)
+    body, attention, head = per_token_costs(executor.lm)
+    dense = sum(body * len(s) + attention * len(s) * (len(s) + 1) / 2 + head * (len(s) - 1 - f)
+                for s, f in zip(seqs, froms, strict=True))  # fmt: skip
+    prefixes = {tuple(s[: t + 1]) for s in seqs for t in range(len(s))}
+    scored = {tuple(s[: t + 2]) for s, f in zip(seqs, froms, strict=True) for t in range(f, len(s) - 1)}
+    walk = sum(body + attention * len(p) for p in prefixes) + head * len(scored)
+    assert executor.flops(PrefixTrie.from_sequences(seqs), froms) == pytest.approx((dense, walk), rel=1e-12)
+    assert 1 < dense / walk < PrefixTrie.from_sequences(seqs).dedup_ratio  # the unscored prompt saves less
+    # nothing shared: 1; two copies of one sequence, all scored: 2
+    dense, walk = executor.flops(PrefixTrie.from_sequences([[1, 2, 3], [4, 5]]))
+    assert dense == walk
+    dense, walk = executor.flops(PrefixTrie.from_sequences([[1, 2, 3, 4]] * 2))
+    assert dense / walk == pytest.approx(2.0, rel=1e-12)

@@ -57,6 +57,10 @@ def test_gradients_equal_stock_trl_for_each_loss_type(tmp_path, model_dir, loss_
     for key in ("loss", "entropy", "reward"):
         assert tree_logs[0][key] == pytest.approx(stock_logs[0][key], rel=1e-4, abs=1e-6)
     assert tree_logs[0]["tree/dedup_ratio"] > 2.0
+    assert (
+        1.0 < tree_logs[0]["tree/flop_ratio"] and tree_logs[0]["tree/calls"] >= 2
+    )  # a forward and a backward
+    assert tree_logs[0]["tree/tokens_per_call"] > 1.0
 
 
 @pytest.mark.parametrize(

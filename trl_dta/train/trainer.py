@@ -26,6 +26,7 @@ saving. What changes:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -279,6 +280,7 @@ class TreePPOTrainer(GRPOTrainer):
         started = time.perf_counter()
         trie, owners = build_trie(batches, keep_prompt_only=self.aux_loss_enabled)
         executor = self._executor(model) if trie is not None else None
+        calls = dataclasses.replace(executor.calls) if executor is not None else None
         quantile = self._step_entropies(executor, trie, owners, batches)
         row_losses = [
             self._row_loss(inputs, training, None if quantile is None else quantile[b])
@@ -303,7 +305,8 @@ class TreePPOTrainer(GRPOTrainer):
                     )
                     for k, (lp, ent) in enumerate(zip(lps, ents, strict=True)):
                         losses(k, lp, ent)
-            self._log_trie(trie, "train" if training else "eval", time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self._log_trie(trie, "train" if training else "eval", seconds, executor, calls, score_from)
         if self.aux_loss_enabled:
             auxes = [
                 torch.zeros((), device=batches[0]["completion_ids"].device) if a is None else a for a in auxes
@@ -322,11 +325,19 @@ class TreePPOTrainer(GRPOTrainer):
         shapes = [b["completion_ids"].shape for b in batches]
         return scatter(ents, owners, shapes, batches[0]["completion_ids"].device)
 
-    def _log_trie(self, trie, mode: str, seconds: float) -> None:
+    def _log_trie(self, trie, mode: str, seconds: float, executor, before, score_from) -> None:
+        """The walk's metrics: the trie's tokens and dedup ratio, the FLOP-weighted ideal (dense FLOPs /
+        walk FLOPs, :mod:`trl_dta.walk.flops`), the model calls of all the walk's passes (forward + backward)
+        and the tokens per forward call, and the walk's time."""
         metrics = self._metrics[mode]
         metrics["tree/tokens"].append(float(trie.num_tokens))
         metrics["tree/unique_tokens"].append(float(trie.num_unique_tokens))
         metrics["tree/dedup_ratio"].append(trie.dedup_ratio)
+        dense, walk = executor.flops(trie, score_from)
+        metrics["tree/flop_ratio"].append(dense / walk)
+        forward, backward = executor.calls.forward - before.forward, executor.calls.backward - before.backward
+        metrics["tree/calls"].append(float(forward + backward))
+        metrics["tree/tokens_per_call"].append((executor.calls.tokens - before.tokens) / max(forward, 1))
         metrics["tree/time"].append(seconds)
 
     def _router_grad(self, executor, trie, owners, training, auxes, aux_terms):

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..trie import PrefixTrie, TrieNode
 from .checks import check_count
+from .flops import flops as count_flops
 from .forwards import forward, forward_packed, forward_padded
 from .model import CausalLM
 from .path_kv import PathKV
@@ -45,7 +46,7 @@ from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, build_plan
 from .router import RouterGrad, RouterStats, route
 from .scoring import path_scores, score_rows, scored_from
 from .sharding import gathered
-from .state import Frame, OnSequence, SegmentOutputs, Walk, flat_outputs
+from .state import CallCounts, Frame, OnSequence, SegmentOutputs, Walk, flat_outputs
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -94,6 +95,7 @@ class TreeExecutor:
         self._subtree_tokens = check_count("subtree_tokens", subtree_tokens)
         self._pack_leaves = bool(pack_leaves)
         self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32)
+        self.calls = CallCounts()  # model calls of every walk so far (tree/calls, tree/tokens_per_call)
 
     @property
     def pack_leaves(self) -> bool:
@@ -130,6 +132,11 @@ class TreeExecutor:
 
         self._walk(trie, temperature, entropies, record, grad=False, score_from=score_from)
         return (logps, ents) if entropies else logps
+
+    def flops(self, trie: PrefixTrie, score_from: Sequence[int] | None = None) -> tuple[float, float]:
+        """(dense FLOPs, walk FLOPs) of a forward of ``trie`` (:mod:`trl_dta.walk.flops`): their ratio is the
+        FLOP-weighted ideal speedup, beside ``trie.dedup_ratio``."""
+        return count_flops(self.lm, trie, score_from)
 
     @torch.no_grad()
     def router_stats(self, trie: PrefixTrie) -> RouterStats:
@@ -213,7 +220,7 @@ class TreeExecutor:
             plan = build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves, self.subtree_tokens)
             walk = Walk(
                 trie, temperature, entropies, grad, on_sequence, PathKV(self._capacity(plan)), seq_from,
-                node_from, router, scoring,
+                node_from, router, scoring, self.calls,
             )  # fmt: skip
             for step in plan:
                 if isinstance(step, Push):
@@ -238,10 +245,12 @@ class TreeExecutor:
         return end
 
     @staticmethod
-    def _backprop(losses: list[torch.Tensor]) -> None:
+    def _backprop(losses: list[torch.Tensor]) -> bool:
+        """Backpropagate the sum of ``losses``; whether there was anything to backpropagate."""
         losses = [loss for loss in losses if loss.requires_grad]
         if losses:
             torch.stack(losses).sum().backward()
+        return bool(losses)
 
     def _segment_ids(self, trie: PrefixTrie, segment: Segment) -> torch.Tensor:
         tokens = trie.sequences[segment.node.seq][segment.start : segment.end]
@@ -345,8 +354,8 @@ class TreeExecutor:
             ]
             if walk.scoring:
                 losses += self._row_losses(walk, step, hiddens, ids, start, lead)
-        if walk.grad:
-            self._backprop(losses)
+        if walk.grad and self._backprop(losses):
+            walk.calls.backward += 1
 
     def _row_losses(self, walk: Walk, step, hiddens, ids, start: int, lead: int) -> list:
         """Score the rows of a leaves or subtree step (one LM-head call) and call ``on_sequence`` for each
@@ -403,3 +412,4 @@ class TreeExecutor:
             grads.append(torch.ones_like(router_term))
         if outs:
             torch.autograd.backward(outs, grads)
+            walk.calls.backward += 1

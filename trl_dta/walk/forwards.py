@@ -18,6 +18,8 @@ def forward(lm: CausalLM, walk: Walk, ids: torch.Tensor, start: int, **packing) 
     """Forward ``ids`` [B, L] at cache position ``start`` on the walk's path (``packing``: the packed row's
     positions and attention mask)."""
     states = walk.states(ids.shape[0])
+    walk.calls.forward += 1
+    walk.calls.tokens += ids.numel()
     return lm.forward(ids, start, walk.kv, states, router_logits=walk.router is not None, **packing)
 
 

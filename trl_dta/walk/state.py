@@ -106,6 +106,17 @@ class Frame:
 
 
 @dataclass
+class CallCounts:
+    """Model calls made by an executor's walks, cumulative: forwards, the backward calls through the model
+    (a leaf batch's or a popped segment's; not the handle-only backward of a pushed segment's finished
+    sequences) and the token positions forwarded (padding included)."""
+
+    forward: int = 0
+    backward: int = 0
+    tokens: int = 0
+
+
+@dataclass
 class Walk:
     """One call's walk: what it computes, for which sequences, and the path it is on."""
 
@@ -119,6 +130,7 @@ class Walk:
     node_from: dict[TrieNode, int] | None  # per node, the smallest over its sequences (None: all from 0)
     router: RouterGrad | RouterStats | None = None  # MoE: router terms to backpropagate, or to count
     scoring: bool = True  # False: no LM head at all (the router-counting pass)
+    calls: CallCounts = field(default_factory=CallCounts)  # counted into the executor's
     stack: list[Frame] = field(default_factory=list)
 
     def first_scored(self, node: TrieNode) -> int:
