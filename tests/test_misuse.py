@@ -248,6 +248,8 @@ def test_bad_settings_and_arguments_get_clear_errors():
             TreeExecutor(model, block_size=value)
     with pytest.raises(TypeError, match="batch_tokens must be an int"):
         TreeExecutor(model, batch_tokens=1.0)
+    with pytest.raises(ValueError, match="block_size must be an int"):  # a bad setting, as HF's checks raise
+        TreeExecutor(model, block_size=2.5)
     executor = TreeExecutor(model)
     trie = PrefixTrie.from_sequences(SEQS)
     with pytest.raises(TypeError, match=r"score_from\[1\] must be an int"):

@@ -34,7 +34,7 @@ import numbers
 from torch import nn
 
 from .determinism import stochastic_settings
-from .errors import UnsupportedModelError
+from .errors import ArgumentTypeError, UnsupportedModelError
 
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 
@@ -125,7 +125,7 @@ def rope_length_limit(model) -> tuple[int | None, str]:
 def check_count(name: str, value, minimum: int = 0) -> int:
     """A whole-number setting (a token budget, a block size) at least ``minimum``, as an int."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+        raise ArgumentTypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..trie import PrefixTrie, TrieNode
 from .checks import check_count
+from .errors import ArgumentTypeError
 from .flops import flops as count_flops
 from .forwards import forward, forward_packed, forward_padded
 from .model import CausalLM
@@ -184,7 +185,7 @@ class TreeExecutor:
         def on_loss(index, lp, ent):
             loss = loss_fn(index, lp, ent)
             if not isinstance(loss, torch.Tensor):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"loss_fn must return a scalar tensor, got {type(loss).__name__} for sequence {index}"
                 )
             if loss.dim() != 0:
@@ -206,11 +207,11 @@ class TreeExecutor:
         score_from: Sequence[int] | None = None,
     ) -> None:  # fmt: skip
         if not isinstance(trie, PrefixTrie):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"expected a PrefixTrie (PrefixTrie.from_sequences(...)), got {type(trie).__name__}"
             )
         if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-            raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+            raise ArgumentTypeError(f"temperature must be a number, got {type(temperature).__name__}")
         if not 0 < temperature < math.inf:  # NaN fails too
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
         model = self.lm.model

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..trie import PrefixTrie, TrieNode
+from .errors import ArgumentTypeError
 
 
 def scored_from(trie: PrefixTrie, score_from: Sequence[int] | None):
@@ -26,7 +27,7 @@ def scored_from(trie: PrefixTrie, score_from: Sequence[int] | None):
     score_from = score_from.tolist() if hasattr(score_from, "tolist") else list(score_from)  # tensor, array
     for i, first in enumerate(score_from):
         if isinstance(first, bool) or not isinstance(first, numbers.Integral):
-            raise TypeError(f"score_from[{i}] must be an int (a log-prob index), got {first!r}")
+            raise ArgumentTypeError(f"score_from[{i}] must be an int (a log-prob index), got {first!r}")
     if len(score_from) != len(trie):
         raise ValueError(f"score_from has {len(score_from)} entries for {len(trie)} sequences")
     node_from: dict[TrieNode, int] = {}
