@@ -16,9 +16,9 @@
 #   2. environment: versions, the GPU, `import trl_dta` stays cheap and needs no TRL for the executor path;
 #   3. parity: `peers.py --parity` (fp32, TF32 off): every method's gradients against dense on tiny random
 #      tries, plus the executor's chunked-backward and unpacked-leaves paths; fails the script on a mismatch;
-#   4. FSDP2 smoke test: `fsdp2_smoke.py` (world size 1, fp32: the walk on a fully_shard-ed model against
-#      dense gradients, FSDP2's gathers and reductions per walk, the walk's CUDA peak against the README's
-#      memory model); ~30 s; fails the script on a mismatch;
+#   4. FSDP2 smoke test: `fsdp2_smoke.py`, gather-once and per-layer (world size 1, fp32: the walk on a
+#      fully_shard-ed model against dense gradients, FSDP2's gathers and reductions per walk, the walk's CUDA
+#      peak against the README's memory model); ~1 min; fails the script on a mismatch;
 #   5. benchmark: `peers.py --profile gpu` (Qwen3-0.6B then 1.7B shapes, random weights, bf16, sdpa and
 #      flash-attn if installed, 4k-16k contexts, torch.cuda.max_memory_allocated), tables in OUT_DIR.
 # Outputs (OUT_DIR): env.txt, parity.json, parity.log, fsdp2_smoke.json, fsdp2_smoke.log, peers_gpu.json,
@@ -92,8 +92,10 @@ if [ $DRY = 1 ]; then
     "$PY" "$PEERS" --parity --device cpu --attn sdpa --threads 1 --out "$OUT_DIR" 2>&1 \
         | tee "$OUT_DIR/parity.log" | grep -v -i warn | tail -n 28
     echo "== FSDP2 smoke test on CPU (gloo, world size 1)"
-    "$PY" benchmarks/fsdp2_smoke.py --device cpu --hidden 256 --layers 4 --out "$OUT_DIR" 2>&1 \
-        | tee "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 14
+    for mode in "" --per_layer; do
+        "$PY" benchmarks/fsdp2_smoke.py --device cpu --hidden 256 --layers 4 $mode --out "$OUT_DIR" 2>&1 \
+            | tee -a "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 15
+    done
     echo "== smallest configuration on CPU (tiny model, the GPU profile's first shape x 1/32, bf16, 1 repeat)"
     "$PY" "$PEERS" --profile gpu --device cpu --models tiny --attn sdpa --dtype bfloat16 --scale 0.03125 \
         --shapes grpo-4k-g16 --no_sweep --repeats 1 --threads 1 --out "$OUT_DIR" 2>&1 \
@@ -116,8 +118,10 @@ timeout "$PARITY_TIMEOUT" "$PY" "$PEERS" --parity --device cuda --attn "$ATTN" -
 # ---- 4. FSDP2 smoke test (fp32, world size 1)
 echo "== FSDP2 smoke test, fp32, cuda"
 fsdp_rc=0
-timeout 120 "$PY" benchmarks/fsdp2_smoke.py --device cuda --hidden 2048 --layers 8 --out "$OUT_DIR" 2>&1 \
-    | tee "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 14 || fsdp_rc=$?
+for mode in "" --per_layer; do
+    timeout 120 "$PY" benchmarks/fsdp2_smoke.py --device cuda --hidden 2048 --layers 8 $mode --out "$OUT_DIR" \
+        2>&1 | tee -a "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 15 || fsdp_rc=$?
+done
 
 # ---- 5. the peer benchmark (bf16)
 echo "== peer benchmark, bf16, cuda ($ATTN), budget ${BENCH_BUDGET}s"

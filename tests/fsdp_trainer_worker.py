@@ -7,7 +7,7 @@ trainer runs in accelerate's single-process mode: the trainer code that runs (th
 reducing once, with FSDP2's own hooks) is the code that runs under ``fsdp_version: 2`` on GPUs.
 
 Usage: python tests/fsdp_trainer_worker.py OUT_FILE MODEL_DIR VARIANT   (VARIANT: plain, kl (the reference
-model sharded too), lora)
+model sharded too), lora, per-layer (tree_gather_per_layer))
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ from trl_dta.testing.grpo import (
 
 SETTINGS = dict(learning_rate=2.0, max_steps=2, num_iterations=2, gradient_accumulation_steps=2,
                 per_device_train_batch_size=2)  # fmt: skip
-VARIANTS = {"plain": {}, "kl": {"beta": 0.1}, "lora": {}}
+VARIANTS = {"plain": {}, "kl": {"beta": 0.1}, "lora": {}, "per-layer": {}}
+TREE_OPTIONS = {"per-layer": {"tree_gather_per_layer": True}}
 
 
 def load(model_dir, variant):
@@ -56,7 +57,8 @@ def shard(model):
 
 def run(trainer_cls, config_cls, model, out, variant, sharded=False):
     recorder = GradRecorder()
-    config = make_config(out, config_cls=config_cls, **SETTINGS, **VARIANTS[variant])
+    options = TREE_OPTIONS.get(variant, {}) if sharded else {}
+    config = make_config(out, config_cls=config_cls, **SETTINGS, **VARIANTS[variant], **options)
     trainer = make_trainer(trainer_cls, config, model=model, callbacks=[recorder])
     if sharded and trainer.ref_model is not None:  # as TRL's prepare_fsdp does under FSDP2
         shard(trainer.ref_model)

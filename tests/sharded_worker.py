@@ -32,6 +32,11 @@ CASES = {
     "lora": ("lora", {}),
     "qwen3_5": ("qwen3_5", {}),
     "qwen3-bf16": ("qwen3-bf16", {}),
+    "qwen3-per-layer": ("qwen3", {"gather_per_layer": True}),
+    "qwen3-per-layer-chunked": ("qwen3", {"gather_per_layer": True, "block_size": 4, "batch_tokens": 6}),
+    "qwen3-per-layer-padded": ("qwen3", {"gather_per_layer": True, "pack_leaves": False}),
+    "lora-per-layer": ("lora", {"gather_per_layer": True, "block_size": 4, "batch_tokens": 6}),
+    "qwen3_5-per-layer": ("qwen3_5", {"gather_per_layer": True, "block_size": 5}),
 }
 
 COUNTS = {"all_gather": 0, "reduce_scatter": 0, "backward": 0, "forward": 0}

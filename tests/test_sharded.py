@@ -2,7 +2,8 @@
 
 * The executor on 2 and 4 processes (tests/sharded_worker.py): each rank walks its lexicographic part of
   random tries; the full sharded gradients equal the dense per-sequence gradients of all ranks' sequences
-  averaged over ranks (FSDP2's reduction), and FSDP2 gathers and reduce-scatters once per unit per walk.
+  averaged over ranks (FSDP2's reduction). By default FSDP2 gathers and reduce-scatters once per unit per
+  walk; with ``gather_per_layer`` the counts follow the lock-step's rounds (trl_dta/walk/lockstep.py).
 * The trainer (tests/fsdp_trainer_worker.py): TreePPOTrainer on a sharded model against stock
   GRPOTrainer on the same model unsharded, 2 optimizer steps with clipping, gradient accumulation 2.
 """
@@ -39,7 +40,8 @@ def torchrun(procs: int, out: Path, cases: list[str]) -> dict:
 
 
 def check_case(case: str, result: dict) -> None:
-    trainable_units = 2 if case == "lora" else result["units"]  # LoRA: the root's unit has nothing to train
+    units = result["units"]
+    trainable_units = units - 1 if case.startswith("lora") else units  # LoRA: nothing to train in the root
     for walk in result["walks"]:
         assert not walk["missing"]
         if case.endswith("bf16"):  # bf16 compute (MixedPrecisionPolicy): no worse than stock FSDP2 dense
@@ -49,35 +51,48 @@ def check_case(case: str, result: dict) -> None:
             assert walk["walk_error"] <= FP32, walk  # against the same walk, unsharded, of all sequences
             assert walk["grad_error"] <= (STATE_KERNELS if case.startswith("qwen3_5") else FP32), walk
             assert walk["logp_error"] <= FP32
-        # one gather and one reduce-scatter per unit, whatever each rank's number of model calls
-        assert walk["counts"]["all_gather"] == result["units"], walk
-        assert walk["counts"]["reduce_scatter"] == trainable_units, walk
-        assert walk["logprob_counts"] == {"all_gather": result["units"], "reduce_scatter": 0, "backward": 0,
-                                          "forward": 0}  # fmt: skip
+        counts = walk["counts"]
+        if "per-layer" in case:
+            # every unit reduces after each backward through the model (dummies included), and each layer is
+            # gathered for every forward (counted at layer 0, dummies included) and every backward; the root
+            # once. The same on every rank, whatever its own number of steps.
+            backward, rest = divmod(counts["reduce_scatter"], trainable_units)
+            assert rest == 0 and backward >= 2, walk  # (at least one real and the final flush)
+            assert counts["all_gather"] == 1 + (units - 1) * (counts["forward"] + backward), walk
+            assert walk["logprob_counts"]["reduce_scatter"] == 0
+        else:
+            # one gather and one reduce-scatter per unit, whatever each rank's number of model calls
+            assert counts["all_gather"] == units, walk
+            assert counts["reduce_scatter"] == trainable_units, walk
+            assert walk["logprob_counts"] == {"all_gather": units, "reduce_scatter": 0, "backward": 0,
+                                              "forward": 0}  # fmt: skip
 
 
 CASES = ["qwen3", "qwen3-chunked", "qwen3-padded", "lora", "qwen3_5", "qwen3-bf16"]
+PER_LAYER = ["qwen3-per-layer", "qwen3-per-layer-chunked", "qwen3-per-layer-padded", "lora-per-layer",
+             "qwen3_5-per-layer"]  # fmt: skip
 
 
-def test_sharded_executor_two_processes(tmp_path):
-    out = torchrun(2, tmp_path / "two.json", CASES)
+@pytest.mark.parametrize("cases", [CASES, PER_LAYER], ids=["gather-once", "per-layer"])
+def test_sharded_executor_two_processes(tmp_path, cases):
+    out = torchrun(2, tmp_path / "two.json", cases)
     assert out["world"] == 2
-    for case in CASES:
+    for case in cases:
         check_case(case, out["cases"][case])
-    # the ranks' plans really differ (collectives cannot be matched call by call)
-    steps = [w["counts"]["steps_all_ranks"] for w in out["cases"]["qwen3-padded"]["walks"]]
-    assert any(len(set(s)) > 1 for s in steps)
+    # the ranks' plans really differ (their collectives cannot be matched call by call)
+    steps = [w["counts"]["steps_all_ranks"] for c in cases for w in out["cases"][c]["walks"]]
+    assert sum(len(set(s)) > 1 for s in steps) >= 3
 
 
 def test_sharded_executor_four_processes(tmp_path):
-    cases = ["qwen3-chunked", "lora"]
+    cases = ["qwen3-chunked", "lora", "qwen3-per-layer-chunked", "lora-per-layer"]
     out = torchrun(4, tmp_path / "four.json", cases)
     assert out["world"] == 4
     for case in cases:
         check_case(case, out["cases"][case])
 
 
-@pytest.mark.parametrize("variant", ["plain", "kl", "lora"])
+@pytest.mark.parametrize("variant", ["plain", "kl", "lora", "per-layer"])
 def test_trainer_on_a_sharded_model_equals_stock_trl(tmp_path, model_dir, variant):
     out = tmp_path / "grads.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -40,6 +40,13 @@ class TreePPOConfig(GRPOConfig):
             micro-batch; with `steps_per_generation == gradient_accumulation_steps` (TRL's default) every
             optimizer step already walks the whole generation batch, and only micro-batch statistics
             (bnpo, `top_entropy_quantile`, the entropy bonus) are affected.
+        tree_gather_per_layer (`bool`, defaults to `False`):
+            FSDP2 only. By default each walk gathers every sharded unit once and reduce-scatters once at its
+            end (the whole model gathered on every GPU while walking). With `True`, each decoder layer is
+            gathered only for its own calls and its gradients are reduce-scattered after each backward
+            call, all ranks' calls kept in lock-step: one layer's parameters and gradients at a time, for
+            models that do not fit otherwise, at the cost of a gather per layer and call (README, "Multi-GPU
+            and sharded training").
         tree_check_gradients (`bool`, defaults to `False`):
             On the first optimizer step, also compute its gradients the dense TRL way (each of its
             micro-batches) and raise if the tree walk's gradients differ (relative tolerance
@@ -70,6 +77,10 @@ class TreePPOConfig(GRPOConfig):
     tree_lexicographic_steps: bool = field(
         default=False,
         metadata={"help": "Give each optimizer step a contiguous lexicographic run of the generation batch."},
+    )
+    tree_gather_per_layer: bool = field(
+        default=False,
+        metadata={"help": "FSDP2: gather each decoder layer per call (memory) instead of once per step."},
     )
     tree_check_gradients: bool = field(
         default=False,

@@ -86,6 +86,7 @@ class TreePPOTrainer(GRPOTrainer):
             "batch_tokens": getattr(a, "tree_batch_tokens", None),
             "subtree_tokens": getattr(a, "tree_subtree_tokens", TreePPOConfig.tree_subtree_tokens),
             "lm_head_fp32": a.cast_lm_head_to_fp32,
+            "gather_per_layer": getattr(a, "tree_gather_per_layer", False),
         }
         self._tree_check = getattr(a, "tree_check_gradients", False)
         self._tree_check_tolerance = getattr(a, "tree_check_tolerance", TreePPOConfig.tree_check_tolerance)

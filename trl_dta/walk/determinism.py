@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..compare import relative_error
-from .sharding import gathered
+from .sharding import gathered_for_check
 
 # names of settings that hold a probability or a noise scale (a key of a config or an attribute of a module)
 STOCHASTIC_NAME = re.compile(r"dropout|pdrop|layerdrop|jitter", re.IGNORECASE)
@@ -123,7 +123,7 @@ def forward_differs(model: nn.Module, base: nn.Module, device: torch.device) -> 
     embeddings = base.get_input_embeddings()
     vocab = embeddings.weight.shape[0] if embeddings is not None else base.config.get_text_config().vocab_size
     ids = ((torch.arange(13, device=device) * 7919 + 11) % vocab)[None]
-    with _fork_rng(device), gathered(model, grad=False):
+    with _fork_rng(device), gathered_for_check(model):
         # the class's own forward: accelerate and TRL patch the instance's (autocast, fused LM head)
         first, second = (type(base).forward(base, input_ids=ids, use_cache=False).logits for _ in range(2))
     tolerance = DETERMINISM_TOLERANCE.get(first.dtype, 1.6e-2)

@@ -77,6 +77,10 @@ class TreeExecutor:
             many tokens is forwarded whole in one packed row with a tree-shaped causal mask and
             backpropagated in one call (fewer, larger calls; the mask's attention covers the whole row, so
             larger subtrees trade call overhead for attention work). 0: sibling leaves only.
+        gather_per_layer: for an FSDP2-sharded model whose gathered parameters do not fit: gather each decoder
+            layer only for its own calls and reduce-scatter its gradients after each backward call, the calls
+            of all ranks kept in lock-step (:mod:`trl_dta.walk.lockstep`), instead of gathering every unit
+            once per walk. Slower: see the README's memory model. Ignored for an unsharded model.
 
     Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
     HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
@@ -90,11 +94,13 @@ class TreeExecutor:
         lm_head_fp32: bool = False,
         pack_leaves: bool = True,
         subtree_tokens: int = 512,
+        gather_per_layer: bool = False,
     ):
         self.block_size = check_count("block_size", block_size, minimum=1)
         self.batch_tokens = block_size if batch_tokens is None else check_count("batch_tokens", batch_tokens)
         self._subtree_tokens = check_count("subtree_tokens", subtree_tokens)
         self._pack_leaves = bool(pack_leaves)
+        self.gather_per_layer = bool(gather_per_layer)
         self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32)
         self.calls = CallCounts()  # model calls of every walk so far (tree/calls, tree/tokens_per_call)
 
@@ -214,24 +220,28 @@ class TreeExecutor:
             raise ArgumentTypeError(f"temperature must be a number, got {type(temperature).__name__}")
         if not 0 < temperature < math.inf:  # NaN fails too
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-        model = self.lm.model
-        with gathered(model, grad), self.lm.no_gradient_checkpointing():
+        model, lm = self.lm.model, self.lm
+        sharded = gathered(model, grad, self.gather_per_layer, lm.decoder, lm.config.num_hidden_layers)
+        with sharded as lockstep, self.lm.no_gradient_checkpointing():
             self.lm.check_call(trie)
             seq_from, node_from = scored_from(trie, score_from)
             plan = build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves, self.subtree_tokens)
             walk = Walk(
                 trie, temperature, entropies, grad, on_sequence, PathKV(self._capacity(plan)), seq_from,
-                node_from, router, scoring, self.calls,
+                node_from, router, scoring, self.calls, lockstep,
             )  # fmt: skip
+            lockstep.start(len(plan), grad)
             for step in plan:
-                if isinstance(step, Push):
-                    self._push(walk, step)
-                elif isinstance(step, Pop):
-                    frame = walk.stack.pop()
-                    if grad:
-                        self._pop(walk, frame, step.keep_graph)
-                else:
-                    self._rows(walk, step)
+                with lockstep.round():
+                    if isinstance(step, Push):
+                        self._push(walk, step)
+                    elif isinstance(step, Pop):
+                        frame = walk.stack.pop()
+                        if grad:
+                            self._pop(walk, frame, step.keep_graph)
+                    else:
+                        self._rows(walk, step)
+            lockstep.finish()
 
     def _capacity(self, plan) -> int:
         """The most cache positions a forward of ``plan`` reaches (its start + its row's tokens)."""
@@ -246,11 +256,13 @@ class TreeExecutor:
         return end
 
     @staticmethod
-    def _backprop(losses: list[torch.Tensor]) -> bool:
-        """Backpropagate the sum of ``losses``; whether there was anything to backpropagate."""
+    def _backprop(losses: list[torch.Tensor], walk: Walk | None = None) -> bool:
+        """Backpropagate the sum of ``losses`` (through the model: by ``walk``'s lock-step); whether there was
+        anything to backpropagate."""
         losses = [loss for loss in losses if loss.requires_grad]
         if losses:
-            torch.stack(losses).sum().backward()
+            total = torch.stack(losses).sum()
+            walk.lockstep.backward(total) if walk is not None else total.backward()
         return bool(losses)
 
     def _segment_ids(self, trie: PrefixTrie, segment: Segment) -> torch.Tensor:
@@ -355,7 +367,7 @@ class TreeExecutor:
             ]
             if walk.scoring:
                 losses += self._row_losses(walk, step, hiddens, ids, start, lead)
-        if walk.grad and self._backprop(losses):
+        if walk.grad and self._backprop(losses, walk):
             walk.calls.backward += 1
 
     def _row_losses(self, walk: Walk, step, hiddens, ids, start: int, lead: int) -> list:
@@ -411,6 +423,8 @@ class TreeExecutor:
         if router_term is not None and router_term.requires_grad:
             outs.append(router_term)
             grads.append(torch.ones_like(router_term))
-        if outs:
+        if outs and frame.pending is not None:  # the LM head alone, on the parent's hidden state
             torch.autograd.backward(outs, grads)
+        elif outs:
+            walk.lockstep.backward(outs, grads)
             walk.calls.backward += 1

@@ -20,7 +20,9 @@ def forward(lm: CausalLM, walk: Walk, ids: torch.Tensor, start: int, **packing) 
     states = walk.states(ids.shape[0])
     walk.calls.forward += 1
     walk.calls.tokens += ids.numel()
-    return lm.forward(ids, start, walk.kv, states, router_logits=walk.router is not None, **packing)
+    out = lm.forward(ids, start, walk.kv, states, router_logits=walk.router is not None, **packing)
+    walk.lockstep.forward(out.caches)
+    return out
 
 
 def forward_padded(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int):

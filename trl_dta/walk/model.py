@@ -31,7 +31,7 @@ from .determinism import check_deterministic
 from .errors import UnsupportedModelError
 from .path_kv import PathKV
 from .probe import probe as run_probe
-from .sharding import gathered, is_fsdp1
+from .sharding import gathered_for_check, is_fsdp1
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class CausalLM:
         try:
             with (
                 torch.autocast(self.device.type, enabled=False),
-                gathered(self.model, grad=False),
+                gathered_for_check(self.model),
             ):
                 can_pack = run_probe(self, try_packing=self._may_pack)
                 self._deterministic_in.add(False)  # (the probe's first check)

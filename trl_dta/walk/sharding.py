@@ -1,11 +1,13 @@
 """The walk on a model sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``; accelerate's
-``fsdp_version: 2``): one parameter gather and one gradient reduction per walk.
+``fsdp_version: 2``).
 
 FSDP2 gathers a unit's parameters before each of its forward and backward calls and reduce-scatters its
-gradients after each backward. The walk makes many calls per step (a push, a leaf batch, a pop each), so
-left alone FSDP would gather and reduce per call; each rank walks its own trie, so ranks would make
-different numbers of collectives; and the walk calls the decoder and the LM head, not the root module whose
-hooks gather the embeddings and the LM head. :func:`gathered` takes over for one walk:
+gradients after each backward. The walk makes many calls per step (a push, a leaf batch, a pop each), and
+each rank walks its own trie, so left alone FSDP would communicate per call and ranks would make different
+numbers of collectives; and the walk calls the decoder and the LM head, not the root module whose hooks
+gather the embeddings and the LM head. :func:`gathered` takes over for one walk, in one of two modes.
+
+**Gather once** (default):
 
 * every unit is gathered before the walk (``unshard``) and stays gathered through it
   (``reshard_after_forward`` and ``reshard_after_backward`` off); gradients accumulate unsharded and
@@ -16,17 +18,21 @@ hooks gather the embeddings and the LM head. :func:`gathered` takes over for one
   optimizer steps: the gradient DDP would give;
 * every unit is resharded and FSDP's flags are restored.
 
-Per unit and per walk: one all-gather, and (gradient walks) one reduce-scatter, whatever the trie. Every
-rank makes them in the same order, so ranks may walk different tries. Parameters no rank used in the walk
-(MoE experts no token picked) are reduce-scattered as zeros, so ranks never disagree on what to reduce;
-their ``.grad`` is zero, not None. A walk inside a walk of the same model (a loss that walks another trie)
-runs inside the outer one's gather, and its gradients are reduced with the outer walk's.
+Per unit and per walk: one all-gather, and (gradient walks) one reduce-scatter, whatever the trie. While
+walking, a rank holds every parameter gathered and an unsharded gradient accumulator.
 
-Memory: while walking, a rank holds every parameter gathered (in FSDP's ``param_dtype``) and an unsharded
-gradient accumulator (in its ``reduce_dtype``); the README's memory model gives the sizes. FSDP's own
-per-layer schedule is not used: its collectives run inside each call, and the walk's calls differ from rank
-to rank; it also sends gradients into K/V in the middle of a layer, where FSDP2's pre-backward hook (on
-layer outputs) would not gather the layer again.
+**Per layer** (``per_layer=True``, for models whose gathered parameters and accumulator do not fit): the
+root's unit (embeddings, final norm, LM head) stays gathered; each decoder layer is gathered for each
+forward and backward call through it and resharded after, and every unit's gradients are reduce-scattered
+after each backward call (sums of averages: exact). Those collectives run inside the calls, so
+:class:`~trl_dta.walk.lockstep.Lockstep` keeps every rank's calls in step (dummy calls where a rank's step
+has none) and gathers a layer whose gradients arrive through its K/V or states. Per layer: one all-gather
+per forward and per backward call (dummies included), and one reduce-scatter per backward call.
+
+Parameters no rank used in a walk (MoE experts no token picked) are reduce-scattered as zeros, so ranks
+never disagree on what to reduce; their ``.grad`` is zero, not None. A walk inside a walk of the same model
+(a loss that walks another trie) runs inside the outer one's gather (gather-once mode only), and its
+gradients are reduced with the outer walk's.
 """
 
 from __future__ import annotations
@@ -34,14 +40,18 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from .errors import UnsupportedModelError
+from .lockstep import Lockstep
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - no FSDP2: nothing is sharded by it
     FSDPModule = None
 
-_ACTIVE: set[int] = set()  # root units gathered by a walk now running
+_ACTIVE: dict[int, bool] = {}  # root units of the walks now running -> whether they gather per layer
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -73,38 +83,78 @@ def _restore(unit, flags: list[tuple]) -> None:
             g.reduce_scatter_unused_params = unused
 
 
+def _layer_units(decoder: nn.Module, num_layers: int) -> list:
+    """The FSDP2 unit of each decoder layer (the layer, or the first unit inside it; None if it has none)."""
+    for m in decoder.modules():
+        if isinstance(m, nn.ModuleList) and len(m) == num_layers:
+            return [next((u for u in layer.modules() if isinstance(u, FSDPModule)), None) for layer in m]
+    return []
+
+
 @contextlib.contextmanager
-def gathered(model: nn.Module, grad: bool):
-    """Run one walk of ``model`` with its FSDP2 units gathered once (module docstring); ``grad``: reduce the
-    gradients once at the end. A model without FSDP2 units passes through."""
+def gathered(model: nn.Module, grad: bool, per_layer: bool = False, decoder=None, num_layers: int = 0):
+    """Run one walk of ``model`` with its FSDP2 units gathered once (module docstring), or with the decoder
+    layers gathered per call (``per_layer``; ``decoder`` and its ``num_layers`` locate them); ``grad``:
+    reduce the gradients. Yields the walk's :class:`~trl_dta.walk.lockstep.Lockstep`. A model without FSDP2
+    units passes through."""
     units = fsdp_units(model)
+    if units and _ACTIVE.get(id(units[0])):
+        raise RuntimeError(
+            "a walk inside a gather_per_layer walk of the same model (a loss_fn that walks another trie) is "
+            "not supported: its calls would be out of the ranks' lock-step."
+        )
     if not units or id(units[0]) in _ACTIVE:
-        yield
+        yield Lockstep()
         return
     top = units[0]
     # FSDP2 makes the first unit to run forward the root; the walk forwards decoder layers directly, so the
     # real root must claim it first
     top._get_fsdp_state()._lazy_init()
-    saved = [(u, _flags(u)) for u in units]
+    saved = [(u, _flags(u), list(u._get_fsdp_state()._states_to_backward_prefetch)) for u in units]
+    layers = _layer_units(decoder, num_layers) if per_layer else []
+    if per_layer and not any(layers):
+        raise UnsupportedModelError(
+            "gather_per_layer needs the decoder layers sharded as FSDP2 units of their own "
+            "(fully_shard per layer, as accelerate's transformer-based wrap does)."
+        )
+    kept = [u for u in units if u not in layers]  # gathered through the walk
     for u in units:
-        u.set_reshard_after_forward(False, recurse=False)
-        u.set_reshard_after_backward(False, recurse=False)
-        u.set_requires_gradient_sync(False, recurse=False)
+        per_call = u in layers
+        u.set_reshard_after_forward(per_call, recurse=False)
+        u.set_reshard_after_backward(per_call, recurse=False)
+        u.set_requires_gradient_sync(per_layer, recurse=False)
         if hasattr(u, "set_reduce_scatter_unused_params"):  # (older torch: ranks must use the same params)
             u.set_reduce_scatter_unused_params(True, recurse=False)
-    for u in units:
+        if per_call:  # no implicit backward prefetch: its target depends on each rank's own call history
+            u.set_modules_to_backward_prefetch([u])  # (itself: a no-op, it is gathered already)
+    for u in kept:
         u.unshard()
-    _ACTIVE.add(id(top))
+    _ACTIVE[id(top)] = per_layer
+    lockstep = Lockstep()
+    if per_layer:
+        device = next(p.device for p in model.parameters())
+        pad = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        lockstep = Lockstep(decoder, layers, device, pad=pad)
     try:
-        yield
-        if grad:
+        yield lockstep
+        if grad and not per_layer:
             _reduce(units, model)
     finally:
-        _ACTIVE.discard(id(top))
-        for u, flags in saved:
+        _ACTIVE.pop(id(top), None)
+        for u, flags, prefetch in saved:
             _restore(u, flags)
+            u._get_fsdp_state()._states_to_backward_prefetch = prefetch
         for u in units:
             u.reshard()
+
+
+def gathered_for_check(model: nn.Module):
+    """For a check's own forwards (the probe, the determinism check): the model gathered once, or as the walk
+    running now has it (its preamble, the same on every rank)."""
+    units = fsdp_units(model)
+    if units and id(units[0]) in _ACTIVE:
+        return contextlib.nullcontext()
+    return gathered(model, grad=False)
 
 
 def _reduce(units: list[nn.Module], model: nn.Module) -> None:

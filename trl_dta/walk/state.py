@@ -21,6 +21,7 @@ import torch
 
 from ..trie import PrefixTrie, TrieNode
 from .cache import KV, LayerCache, expand_states, states_of
+from .lockstep import Lockstep
 from .path_kv import PathKV
 from .plan import Segment
 from .router import RouterGrad, RouterStats
@@ -131,6 +132,7 @@ class Walk:
     router: RouterGrad | RouterStats | None = None  # MoE: router terms to backpropagate, or to count
     scoring: bool = True  # False: no LM head at all (the router-counting pass)
     calls: CallCounts = field(default_factory=CallCounts)  # counted into the executor's
+    lockstep: Lockstep = field(default_factory=Lockstep)  # runs the backward calls through the model
     stack: list[Frame] = field(default_factory=list)
 
     def first_scored(self, node: TrieNode) -> int:
