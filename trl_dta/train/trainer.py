@@ -129,6 +129,8 @@ class TreePPOTrainer(GRPOTrainer):
                 if changed:
                     logger.info("disable_dropout: set to 0: %s", ", ".join(changed))
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        if any(p.is_meta for p in policy.parameters()):
+            return  # weights on rank 0 only (FSDP's cpu_ram_efficient_loading): the walk's first call checks
         modes = [(m, m.training) for m in policy.modules()]
         policy.train()
         try:
