@@ -19,9 +19,12 @@
 #   4. FSDP2 smoke test: `fsdp2_smoke.py`, gather-once and per-layer (world size 1, fp32: the walk on a
 #      fully_shard-ed model against dense gradients, FSDP2's gathers and reductions per walk, the walk's CUDA
 #      peak against the README's memory model); ~1 min; fails the script on a mismatch;
-#   5. benchmark: `peers.py --profile gpu` (Qwen3-0.6B then 1.7B shapes, random weights, bf16, sdpa and
+#   5. the GPU plan on paper: `launch_model.py` (kernels and FLOPs per step, walk vs dense, for Qwen3-1.7B on
+#      the tau2-2x8-10k shape: the predicted speedup the benchmark's tau2 row then checks); ~2 min on CPU;
+#   6. benchmark: `peers.py --profile gpu` (Qwen3-0.6B then 1.7B shapes, random weights, bf16, sdpa and
 #      flash-attn if installed, 4k-16k contexts, torch.cuda.max_memory_allocated), tables in OUT_DIR.
-# Outputs (OUT_DIR): env.txt, parity.json, parity.log, fsdp2_smoke.json, fsdp2_smoke.log, peers_gpu.json,
+# Outputs (OUT_DIR): env.txt, parity.json, parity.log, fsdp2_smoke*.json, fsdp2_smoke.log, launch_model.json,
+# launch_model.log, peers_gpu.json,
 # peers_gpu.md, peers_gpu.log and the plots peers_gpu_speedup.png, peers_gpu_memory.png.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -61,7 +64,8 @@ install_wheel flash_attn 'flash_attn-*.whl' || echo "flash-attn: not installed, 
 for f in "$PEERS" benchmarks/common.py benchmarks/peer_bench/__init__.py; do
     test -f "$f" || { echo "missing $f"; exit 1; }
 done
-"$PY" -m py_compile "$PEERS" benchmarks/common.py benchmarks/peer_bench/*.py benchmarks/fsdp2_smoke.py
+"$PY" -m py_compile "$PEERS" benchmarks/common.py benchmarks/peer_bench/*.py benchmarks/fsdp2_smoke.py \
+    benchmarks/launch_model.py
 bash -n "${BASH_SOURCE[0]}"
 "$PY" - <<'PY' | tee "$OUT_DIR/env.txt"
 import sys, time
@@ -96,6 +100,9 @@ if [ $DRY = 1 ]; then
         "$PY" benchmarks/fsdp2_smoke.py --device cpu --hidden 256 --layers 4 $mode --out "$OUT_DIR" 2>&1 \
             | tee -a "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 15
     done
+    echo "== launch model on CPU (lengths x 1/8)"
+    "$PY" benchmarks/launch_model.py --scale 0.125 --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/launch_model.log" \
+        | grep -v -i warn | tail -n 2
     echo "== smallest configuration on CPU (tiny model, the GPU profile's first shape x 1/32, bf16, 1 repeat)"
     "$PY" "$PEERS" --profile gpu --device cpu --models tiny --attn sdpa --dtype bfloat16 --scale 0.03125 \
         --shapes grpo-4k-g16 --no_sweep --repeats 1 --threads 1 --out "$OUT_DIR" 2>&1 \
@@ -123,7 +130,12 @@ for mode in "" --per_layer; do
         2>&1 | tee -a "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 15 || fsdp_rc=$?
 done
 
-# ---- 5. the peer benchmark (bf16)
+# ---- 5. the GPU plan on paper (CPU-side counts; the benchmark's tau2 row measures what it predicts)
+echo "== launch model (kernels and FLOPs per step, Qwen3-1.7B, tau2-2x8-10k)"
+timeout 300 "$PY" benchmarks/launch_model.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/launch_model.log" \
+    | grep -v -i warn | tail -n 3 || echo "launch model: failed (not fatal)"
+
+# ---- 6. the peer benchmark (bf16)
 echo "== peer benchmark, bf16, cuda ($ATTN), budget ${BENCH_BUDGET}s"
 rc=0
 timeout "$BENCH_TIMEOUT" "$PY" "$PEERS" --profile gpu --attn "$ATTN" --time_budget "$BENCH_BUDGET" \
