@@ -68,9 +68,9 @@ def check_case(case: str, result: dict) -> None:
                                               "forward": 0}  # fmt: skip
 
 
-CASES = ["qwen3", "qwen3-chunked", "qwen3-padded", "lora", "qwen3_5", "qwen3-bf16"]
+CASES = ["qwen3", "qwen3-chunked", "qwen3-padded", "lora", "qwen3_5", "qwen3-bf16", "qwen3-idle-rank"]
 PER_LAYER = ["qwen3-per-layer", "qwen3-per-layer-chunked", "qwen3-per-layer-padded", "lora-per-layer",
-             "qwen3_5-per-layer"]  # fmt: skip
+             "qwen3_5-per-layer", "qwen3-per-layer-idle-rank"]  # fmt: skip
 
 
 @pytest.mark.parametrize("cases", [CASES, PER_LAYER], ids=["gather-once", "per-layer"])
@@ -85,7 +85,13 @@ def test_sharded_executor_two_processes(tmp_path, cases):
 
 
 def test_sharded_executor_four_processes(tmp_path):
-    cases = ["qwen3-chunked", "lora", "qwen3-per-layer-chunked", "lora-per-layer"]
+    cases = [
+        "qwen3-chunked",
+        "lora",
+        "qwen3-per-layer-chunked",
+        "lora-per-layer",
+        "qwen3-per-layer-idle-rank",
+    ]
     out = torchrun(4, tmp_path / "four.json", cases)
     assert out["world"] == 4
     for case in cases:

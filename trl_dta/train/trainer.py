@@ -34,9 +34,11 @@ from contextlib import contextmanager
 
 import torch
 from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
 from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
+from ..trie import PrefixTrie
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
 from ..walk.sharding import fsdp_units
@@ -230,10 +232,13 @@ class TreePPOTrainer(GRPOTrainer):
             walked = self._walk(model, [inputs], training=False)[0]
         loss = self._trl_loss(inputs, walked)
         if mode == "train" and torch.is_grad_enabled():
-            if self._multi_process and self.accelerator.sync_gradients and not fsdp_units(model):
+            if self._multi_process and self.accelerator.sync_gradients:
                 # the walk ran on the unwrapped module (no DDP hooks): average the accumulated gradients once
-                # (on an FSDP2 model the walk has reduce-scattered them itself)
-                distributed.all_reduce_gradients([p for p in model.parameters() if p.requires_grad])
+                # (on an FSDP2 model the walk has reduce-scattered the sharded ones itself: only parameters
+                # left out of every FSDP2 unit are averaged here)
+                plain = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+                if plain:
+                    distributed.all_reduce_gradients(plain)
             return torch.zeros((), device=loss.device, requires_grad=True) + loss  # gradients are in .grad
         return loss
 
@@ -282,6 +287,8 @@ class TreePPOTrainer(GRPOTrainer):
         with its own micro-batch's loss; return each micro-batch's share."""
         started = time.perf_counter()
         trie, owners = build_trie(batches, keep_prompt_only=self.aux_loss_enabled)
+        if trie is None and self._multi_process and fsdp_units(self.accelerator.unwrap_model(model)):
+            self._idle_walks(model, training)  # the other ranks' walks gather and reduce: take part
         executor = self._executor(model) if trie is not None else None
         calls = dataclasses.replace(executor.calls) if executor is not None else None
         quantile = self._step_entropies(executor, trie, owners, batches)
@@ -315,6 +322,19 @@ class TreePPOTrainer(GRPOTrainer):
                 torch.zeros((), device=batches[0]["completion_ids"].device) if a is None else a for a in auxes
             ]
         return losses.results(auxes, aux_terms)
+
+    def _idle_walks(self, model, training: bool) -> None:
+        """A rank with nothing to walk (every row masked) on a sharded model makes the walks the other ranks
+        make, on a two-token trie with a zero loss, so that FSDP2's collectives match on every rank."""
+        executor = self._executor(model)
+        idle = PrefixTrie.from_sequences([[0, 1]])
+        with self.accelerator.autocast():
+            for _ in range(int(self.top_entropy_quantile < 1.0) + int(self.aux_loss_enabled)):
+                executor.logprobs(idle)  # (the entropies pass, the router counting pass)
+            if training:
+                executor.backward(idle, lambda i, logps, entropies: logps.sum() * 0.0)
+            else:
+                executor.logprobs(idle)
 
     def _step_entropies(self, executor, trie, owners, batches) -> list[torch.Tensor] | None:
         """``top_entropy_quantile`` couples a micro-batch's rows through their entropies: one no-grad pass
@@ -409,14 +429,21 @@ def _check_distributed(accelerator) -> None:
     """Single process, DDP (multi-GPU / multi-CPU) and FSDP2 are supported; FSDP1, DeepSpeed are refused."""
     kind = accelerator.distributed_type
     if kind == DistributedType.FSDP:
-        version = getattr(accelerator.state.fsdp_plugin, "fsdp_version", 1)
+        plugin = accelerator.state.fsdp_plugin
+        version = getattr(plugin, "fsdp_version", 1)
         if version != 2:
             raise ValueError(
                 f"FSDP version {version} is not supported by the tree walk: use FSDP2 (fsdp_version: 2 in "
                 "the accelerate config, as in recipes/accelerate_configs/fsdp2.yaml), under which the walk "
                 "gathers the parameters once per step and reduces the gradients once."
             )
-    elif kind not in (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        if getattr(plugin, "activation_checkpointing", False):
+            raise ValueError(
+                "FSDP activation_checkpointing wraps the decoder layers in a checkpoint wrapper that "
+                "recomputes them in backward, rewriting the walk's cached K/V; turn it off (the walk bounds "
+                "activation memory itself with tree_block_size)."
+            )
+    elif not (kind == DistributedType.NO or str(kind.value).startswith("MULTI_")):  # DDP on any device
         raise ValueError(
             f"{kind} is not supported: the tree walk makes many forward and backward calls per step, and "
             "DeepSpeed ZeRO gathers and reduces on each. Use FSDP2 (recipes/accelerate_configs/fsdp2.yaml) "

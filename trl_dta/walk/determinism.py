@@ -77,10 +77,12 @@ def config_rates(model: nn.Module, refused_only: bool = False) -> list[str]:
 def stochastic_settings(model: nn.Module) -> list[str]:
     """Where ``model`` draws random numbers by its settings when it trains: dropout modules with ``p > 0``,
     module attributes named like a probability (``dropout``, ``layerdrop``, ``jitter_noise``, ...) with a
-    positive value, and the config's layer-drop, jitter and attention-dropout keys. Empty if none is on.
-    (Whether the model is in train mode is the caller's question.)"""
+    positive value, on modules in train mode, and the config's layer-drop, jitter and attention-dropout keys.
+    Empty if none is on."""
     found = []
     for name, module in model.named_modules():
+        if not module.training:  # (a submodule the caller put in eval mode draws nothing)
+            continue
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             found.append(f"{name or 'model'} ({type(module).__name__}, p={module.p})")
         found += [f"{name or 'model'}.{k} = {v}" for k, v in vars(module).items() if _is_rate(k, v)]

@@ -46,7 +46,7 @@ from .path_kv import PathKV
 from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, build_plan
 from .router import RouterGrad, RouterStats, route
 from .scoring import path_scores, score_rows, scored_from
-from .sharding import gathered
+from .sharding import agree_on, gathered
 from .state import CallCounts, Frame, OnSequence, SegmentOutputs, Walk, flat_outputs
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -221,9 +221,10 @@ class TreeExecutor:
         if not 0 < temperature < math.inf:  # NaN fails too
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
         model, lm = self.lm.model, self.lm
+        agree_on(lm.check_sequences, trie, model)  # (sharded: every rank raises if one does)
         sharded = gathered(model, grad, self.gather_per_layer, lm.decoder, lm.config.num_hidden_layers)
-        with sharded as lockstep, self.lm.no_gradient_checkpointing():
-            self.lm.check_call(trie)
+        with lm.no_gradient_checkpointing(), sharded as lockstep:  # (its final reduction too)
+            lm.check_model()
             seq_from, node_from = scored_from(trie, score_from)
             plan = build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves, self.subtree_tokens)
             walk = Walk(

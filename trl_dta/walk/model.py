@@ -170,16 +170,23 @@ class CausalLM:
 
     @property
     def vocab_size(self) -> int:
-        """Ids the model can both embed and score (the smaller of its input and output embeddings)."""
-        embeddings = self.base.get_input_embeddings()
-        sizes = [self.lm_head.weight.shape[0]] + ([] if embeddings is None else [embeddings.weight.shape[0]])
+        """Ids the model can both embed and score (the smaller of its current input and output embeddings)."""
+        embeddings, head = self.base.get_input_embeddings(), self.base.get_output_embeddings() or self.lm_head
+        sizes = [head.weight.shape[0]] + ([] if embeddings is None else [embeddings.weight.shape[0]])
         return min(sizes)
 
-    def check_call(self, trie) -> None:
-        """Checks that depend on the model's current state and mode and on the sequences of a call (a
-        :class:`~trl_dta.PrefixTrie`): the LM head and attention backend are those the executor probed
-        (bound and probed again if either was replaced, e.g. by ``resize_token_embeddings``), no randomness
-        is on, every id has an embedding, and no sequence exceeds a length limit."""
+    def check_sequences(self, trie) -> None:
+        """Checks of a call's sequences (a :class:`~trl_dta.PrefixTrie`), before any forward: every id has an
+        embedding and a logit, and no sequence exceeds a learned position table or a length limit."""
+        checks.check_vocabulary(trie, self.vocab_size)
+        checks.check_positions(trie, self.position_limit)
+        checks.check_length(self, trie.max_depth)
+
+    def check_model(self) -> None:
+        """Checks of the model's current state and mode at a call: the LM head and attention backend are those
+        the executor probed (bound and probed again if either was replaced, e.g. by
+        ``resize_token_embeddings``), and no randomness is on (by setting; by behaviour at the first call in
+        each mode)."""
         binding = self._binding()
         if binding[0] is not self._bound[0] or binding[1:] != self._bound[1:]:
             logger.info("%s: its LM head or attention backend changed; binding and probing again.", self.name)
@@ -188,9 +195,11 @@ class CausalLM:
         if self.model.training not in self._deterministic_in:
             check_deterministic(self.model, self.base, self.device, self.name)
             self._deterministic_in.add(self.model.training)
-        checks.check_vocabulary(trie, self.vocab_size)
-        checks.check_positions(trie, self.position_limit)
-        checks.check_length(self, trie.max_depth)
+
+    def check_call(self, trie) -> None:
+        """Both checks of a call: :meth:`check_model` and :meth:`check_sequences`."""
+        self.check_model()
+        self.check_sequences(trie)
 
     @contextlib.contextmanager
     def no_gradient_checkpointing(self):

@@ -51,7 +51,7 @@ try:  # torch >= 2.6
 except ImportError:  # pragma: no cover - no FSDP2: nothing is sharded by it
     FSDPModule = None
 
-_ACTIVE: dict[int, bool] = {}  # root units of the walks now running -> whether they gather per layer
+_ACTIVE: dict[int, tuple[bool, bool]] = {}  # root unit of each walk now running -> (per layer, grad)
 
 
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
@@ -67,7 +67,11 @@ def is_fsdp1(model: nn.Module) -> bool:
 
 
 def _groups(unit):
-    return unit._get_fsdp_state()._fsdp_param_groups  # FSDP2 keeps its flags per parameter group
+    state = unit._get_fsdp_state()  # FSDP2 keeps its flags per parameter group (one group in older torch)
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [g for g in [getattr(state, "_fsdp_param_group", None)] if g is not None]
+    return groups
 
 
 def _flags(unit) -> list[tuple]:
@@ -91,6 +95,29 @@ def _layer_units(decoder: nn.Module, num_layers: int) -> list:
     return []
 
 
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _check_per_layer(units: list, layers: list) -> None:
+    """The per-layer mode's lock-step knows the root unit and one unit per decoder layer, nothing else."""
+    if not any(layers):
+        raise UnsupportedModelError(
+            "gather_per_layer needs the decoder layers sharded as FSDP2 units of their own "
+            "(fully_shard per layer, as accelerate's transformer-based wrap does)."
+        )
+    others = [type(u).__name__ for u in units[1:] if u not in layers]
+    if others:
+        raise UnsupportedModelError(
+            "gather_per_layer supports FSDP2 units per decoder layer and at the root only; this model also "
+            f"has units {others} (wrapped inside a layer, or an embedding / LM head of their own). Shard the "
+            "layers and the root only, or use the default gather-once mode."
+        )
+    if not hasattr(units[0], "set_reduce_scatter_unused_params") and world_size() > 1:
+        raise UnsupportedModelError("gather_per_layer across ranks needs a torch with FSDP2's "
+                                    "set_reduce_scatter_unused_params (2.10 or later).")  # fmt: skip
+
+
 @contextlib.contextmanager
 def gathered(model: nn.Module, grad: bool, per_layer: bool = False, decoder=None, num_layers: int = 0):
     """Run one walk of ``model`` with its FSDP2 units gathered once (module docstring), or with the decoder
@@ -98,54 +125,75 @@ def gathered(model: nn.Module, grad: bool, per_layer: bool = False, decoder=None
     reduce the gradients. Yields the walk's :class:`~trl_dta.walk.lockstep.Lockstep`. A model without FSDP2
     units passes through."""
     units = fsdp_units(model)
-    if units and _ACTIVE.get(id(units[0])):
+    outer = _ACTIVE.get(id(units[0])) if units else None  # (per_layer, grad) of a walk running now
+    if outer is not None and (outer[0] or (grad and not outer[1])):
         raise RuntimeError(
-            "a walk inside a gather_per_layer walk of the same model (a loss_fn that walks another trie) is "
-            "not supported: its calls would be out of the ranks' lock-step."
+            "a walk inside another walk of the same sharded model (a loss_fn that walks another trie) must "
+            "not compute gradients the outer walk does not reduce, nor run inside a gather_per_layer walk "
+            "(its calls would be out of the ranks' lock-step)."
         )
-    if not units or id(units[0]) in _ACTIVE:
+    if not units or outer is not None:
         yield Lockstep()
         return
     top = units[0]
     # FSDP2 makes the first unit to run forward the root; the walk forwards decoder layers directly, so the
     # real root must claim it first
     top._get_fsdp_state()._lazy_init()
-    saved = [(u, _flags(u), list(u._get_fsdp_state()._states_to_backward_prefetch)) for u in units]
     layers = _layer_units(decoder, num_layers) if per_layer else []
-    if per_layer and not any(layers):
-        raise UnsupportedModelError(
-            "gather_per_layer needs the decoder layers sharded as FSDP2 units of their own "
-            "(fully_shard per layer, as accelerate's transformer-based wrap does)."
-        )
-    kept = [u for u in units if u not in layers]  # gathered through the walk
-    for u in units:
-        per_call = u in layers
-        u.set_reshard_after_forward(per_call, recurse=False)
-        u.set_reshard_after_backward(per_call, recurse=False)
-        u.set_requires_gradient_sync(per_layer, recurse=False)
-        if hasattr(u, "set_reduce_scatter_unused_params"):  # (older torch: ranks must use the same params)
-            u.set_reduce_scatter_unused_params(True, recurse=False)
-        if per_call:  # no implicit backward prefetch: its target depends on each rank's own call history
-            u.set_modules_to_backward_prefetch([u])  # (itself: a no-op, it is gathered already)
-    for u in kept:
-        u.unshard()
-    _ACTIVE[id(top)] = per_layer
-    lockstep = Lockstep()
     if per_layer:
-        device = next(p.device for p in model.parameters())
-        pad = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        lockstep = Lockstep(decoder, layers, device, pad=pad)
+        _check_per_layer(units, layers)
+    saved = [(u, _flags(u), list(u._get_fsdp_state()._states_to_backward_prefetch)) for u in units]
+    _ACTIVE[id(top)] = (per_layer, grad)
+    failed = True
     try:
+        for u in units:
+            per_call = u in layers
+            u.set_reshard_after_forward(per_call, recurse=False)
+            u.set_reshard_after_backward(per_call, recurse=False)
+            u.set_requires_gradient_sync(per_layer, recurse=False)
+            if hasattr(u, "set_reduce_scatter_unused_params"):
+                u.set_reduce_scatter_unused_params(True, recurse=False)
+            if per_layer:  # no implicit backward prefetch: its target depends on each rank's own call history
+                u.set_modules_to_backward_prefetch([u])  # (itself: a no-op, it is gathered already)
+        for u in units:
+            if u not in layers:  # gathered through the walk
+                u.unshard()
+        lockstep = Lockstep()
+        if per_layer:
+            device = next(p.device for p in model.parameters())
+            lockstep = Lockstep(decoder, layers, device, pad=world_size() > 1)
         yield lockstep
         if grad and not per_layer:
             _reduce(units, model)
+        failed = False
     finally:
         _ACTIVE.pop(id(top), None)
         for u, flags, prefetch in saved:
             _restore(u, flags)
             u._get_fsdp_state()._states_to_backward_prefetch = prefetch
+        if failed and hasattr(top, "reset_iter_state"):  # a failed walk's unreduced gradients are dropped
+            top.reset_iter_state()
         for u in units:
             u.reshard()
+
+
+def agree_on(check, trie, model: nn.Module) -> None:
+    """Run ``check(trie)``; on a model sharded across ranks, every rank raises if any rank's check fails (the
+    others would otherwise wait for it in the walk's first collective)."""
+    try:
+        check(trie)
+        error = None
+    except Exception as e:  # noqa: BLE001 - re-raised below, on this rank and the others
+        error = e
+    units = fsdp_units(model)
+    if units and world_size() > 1:
+        device = next(p.device for p in model.parameters())
+        flag = torch.tensor([0 if error is None else 1], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() and error is None:
+            raise RuntimeError("another rank refused its sequences (its error says why); no rank walks.")
+    if error is not None:
+        raise error
 
 
 def gathered_for_check(model: nn.Module):
@@ -158,12 +206,17 @@ def gathered_for_check(model: nn.Module):
 
 
 def _reduce(units: list[nn.Module], model: nn.Module) -> None:
-    """One zero-weight backward through ``model`` with gradient sync on: FSDP2 reduce-scatters each unit's
+    """One zero backward through ``model`` with gradient sync on: FSDP2 reduce-scatters each unit's
     accumulated gradient (plus zeros) into its sharded ``.grad``. Nothing reshards in this forward, so
-    nothing is gathered again."""
+    nothing is gathered again. On a torch without ``set_reduce_scatter_unused_params``, parameters this rank
+    did not use get a zero gradient first, so every rank reduces the same tensors."""
     for u in units:
         u.set_requires_gradient_sync(True, recurse=False)
+    if not hasattr(units[0], "set_reduce_scatter_unused_params"):
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
     device = next(p.device for p in model.parameters())
     with torch.enable_grad():
-        out = model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False)
-        (out.logits.float().sum() * 0.0).backward()
+        logits = model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False).logits
+        torch.autograd.backward(logits, torch.zeros_like(logits))  # (not 0 * logits: inf would give NaN)
