@@ -38,7 +38,7 @@ from torch import nn
 
 from ..trie import PrefixTrie, TrieNode
 from .checks import check_count
-from .errors import ArgumentTypeError
+from .errors import ArgumentTypeError, UnsupportedModelError
 from .flops import flops as count_flops
 from .forwards import forward, forward_packed, forward_padded
 from .model import CausalLM
@@ -46,7 +46,7 @@ from .path_kv import PathKV
 from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, build_plan
 from .router import RouterGrad, RouterStats, route
 from .scoring import path_scores, score_rows, scored_from
-from .sharding import agree_on, gathered
+from .sharding import agree_on, fsdp_units, gathered
 from .state import CallCounts, Frame, OnSequence, SegmentOutputs, Walk, flat_outputs
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -176,6 +176,12 @@ class TreeExecutor:
         each sequence's log-probs from its ``score_from`` index on."""
         if router_grad is not None and not self.lm.is_moe:
             raise ValueError(f"router_grad given, but {self.lm.name} has no MoE router.")
+        if router_grad is not None and self.gather_per_layer and fsdp_units(self.lm.model):
+            raise UnsupportedModelError(
+                "gather_per_layer with an MoE router loss is not supported: a gradient that reaches a layer "
+                "through its router logits alone would find the layer resharded. Use the default gather-once "
+                "mode."
+            )
         if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
             mode = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
             raise RuntimeError(
