@@ -452,3 +452,61 @@ def test_one_tree_ppo_step_with_the_environment(tmp_path):
     assert logs["tools/call_frequency"] == pytest.approx((2 + 3) / 2)  # TRL counts the unknown tool too
     # TRL's failure count sees only the unknown tool: the environment answers its own errors with a string
     assert logs["tools/failure_frequency"] == pytest.approx(1 / 5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Synthetic mock tasks and gold conversations (the demo's tasks and warm start)
+# ------------------------------------------------------------------------------------------------------------
+def test_synthetic_mock_tasks_are_scored_by_tau2():
+    from trl_dta.envs.tau2.synthetic import add_mock_create_tasks
+
+    train, test = add_mock_create_tasks(6, 3, seed=1)
+    assert (train, test) == add_mock_create_tasks(6, 3, seed=1)  # deterministic, adding again is a no-op
+    assert len(set(train + test)) == 9 and not set(train) & set(test)
+    assert add_mock_create_tasks(6, 3, seed=2) != (train, test)
+    rows = load_tau2_dataset("mock", task_ids=test, policy=False)
+    assert list(rows["task_id"]) == test
+    title = get_domain("mock").tasks[test[0]].evaluation_criteria.actions[0].arguments["title"]
+    assert f"'{title}'" in rows[0]["prompt"][-1]["content"]  # the user asks for it
+
+    def reward(*calls):
+        env = Tau2Environment("mock", shaping=0.0)
+        env.reset(**rows[0])
+        for name, kwargs in calls:
+            getattr(env, name)(**kwargs)
+        return env.get_reward()
+
+    assert reward() == 0.0
+    assert reward(("create_task", {"user_id": "user_1", "title": title})) == 1.0
+    assert reward(("get_users", {}), ("create_task", {"user_id": "user_1", "title": title})) == 1.0
+    assert reward(("create_task", {"user_id": "user_1", "title": title.lower()})) == 0.0
+    assert reward(("create_task", {"user_id": "user_1", "title": title, "description": "x"})) == 0.0
+    with pytest.raises(ValueError, match="Unknown"):
+        load_tau2_dataset("mock", task_ids=["no such task"])
+    with pytest.raises(ValueError, match="at most"):
+        add_mock_create_tasks(10_000, 0)
+
+
+@pytest.mark.parametrize("domain, task_id", [("mock", None), ("retail", EXCHANGE_TASK)])
+def test_gold_conversation_replays_gold_actions(domain, task_id):
+    from trl_dta.envs.tau2.gold import gold_conversation, tool_schemas
+    from trl_dta.envs.tau2.synthetic import add_mock_create_tasks
+
+    ids = add_mock_create_tasks(1, 0, seed=3)[0] if task_id is None else [task_id]
+    row = load_tau2_dataset(domain, task_ids=ids, policy=False)[0]
+    env = Tau2Environment(domain)
+    conversation = gold_conversation(row, env)
+    messages, gold = conversation["messages"], get_domain(domain).tasks[ids[0]].evaluation_criteria.actions
+    assert messages[: len(row["prompt"])] == row["prompt"] and messages[-1]["role"] == "assistant"
+    calls = [m["tool_calls"][0]["function"] for m in messages if m.get("tool_calls")]
+    assert [c["name"] for c in calls[: len(gold)]] == [a.name for a in gold]
+    assert [json.loads(c["arguments"]) for c in calls[: len(gold)]] == [a.arguments for a in gold]
+    results = [m for m in messages if m["role"] == "tool"]
+    assert len(results) == len(calls) and not any(r["content"].startswith("Error") for r in results)
+    schemas = json.loads(conversation["tools"])
+    assert schemas == tool_schemas(env) and [s["function"]["name"] for s in schemas] == sorted(
+        n
+        for n, _ in inspect.getmembers(type(env), inspect.isfunction)
+        if not n.startswith("_") and n not in ("reset", "get_reward")
+    )  # fmt: skip (the tools TRL exposes, in its order)
+    assert env.reward_info["task_reward"] == 1.0

@@ -61,6 +61,7 @@ def load_tau2_dataset(
     *,
     policy: bool = True,
     greeting: bool = False,
+    task_ids=None,
 ):
     """One row per τ² task: ``prompt`` (system prompt, then the scripted user's opening message), ``task_id``
     (str) and ``domain``; rows in τ²'s task order. Tasks that start from a recorded conversation
@@ -81,11 +82,19 @@ def load_tau2_dataset(
         greeting: Start the conversation with τ²'s agent greeting ("Hi! How can I help you today?") before the
             user's opening (off by default: some chat templates require the first turn after the system
             message to be a user turn).
+        task_ids: These tasks, in this order (e.g. :func:`~trl_dta.envs.tau2.synthetic.add_mock_create_tasks`'
+            ids); ``split`` and ``write_only`` are then ignored.
     """
     d = get_domain(domain)
-    ids = [i for i in _split_ids(d, split) if not _has_history(d.tasks[i])]
-    if write_only:
-        ids = [i for i in ids if d.is_write_task(d.tasks[i])]
+    if task_ids is not None:
+        ids = [str(i) for i in task_ids]
+        unknown = [i for i in ids if i not in d.tasks]
+        if unknown:
+            raise ValueError(f"Unknown τ² {domain} task ids: {unknown[:5]}")
+    else:
+        ids = [i for i in _split_ids(d, split) if not _has_history(d.tasks[i])]
+        if write_only:
+            ids = [i for i in ids if d.is_write_task(d.tasks[i])]
     if max_tasks is not None and max_tasks < len(ids):
         keep = set(random.Random(seed).sample(ids, max_tasks))
         ids = [i for i in ids if i in keep]
