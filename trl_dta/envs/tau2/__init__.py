@@ -42,8 +42,10 @@ How it maps onto TRL 1.16's ``environment_factory`` contract (``trl/trainer/grpo
 
 Modules, one idea each: :mod:`.domain` (a τ² domain loaded once; its tools as JSON-schema-friendly specs),
 :mod:`.dataset` (rows and the system prompt), :mod:`.environment` (the per-domain class and the episode),
-:mod:`.reward`, and the users (:mod:`.users`: the interface and τ²'s markers; :mod:`.scripted_user`;
-:mod:`.llm_user`). Importing this package does not import ``tau2``; loading a domain does.
+:mod:`.reward`, the users (:mod:`.users`: the interface and τ²'s markers; :mod:`.scripted_user`;
+:mod:`.llm_user`), :mod:`.synthetic` (more mock tasks of one kind, for a held-out split) and :mod:`.gold`
+(a task's gold actions replayed as a conversation, for a supervised warm start). Importing this package does
+not import ``tau2``; loading a domain does.
 """
 
 from __future__ import annotations
