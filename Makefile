@@ -1,6 +1,6 @@
 # trl-dta developer targets. `make test` is the test command (CI runs it via .ci/run).
 # Everything runs in .venv, built from nothing but $(PYTHON); override e.g. `make test PYTHON=python3.11`.
-# `make demo` runs the tau2 recipe offline on CPU (recipes/README.md), in the same .venv.
+# `make demo` runs the tau2 recipe's demo (an agent learning τ² mock tasks) offline on CPU (recipes/README.md).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -57,9 +57,9 @@ bench: venv
 bench-peers: venv
 	$(VPY) benchmarks/peers.py $(ARGS)
 
-# ---- demo: the tau2 recipe (recipes/ppo_tau2.py), offline, on CPU. Extra flags go in ARGS, e.g.
-#   make demo ARGS="--max_steps 1 --output_dir /tmp/demo_out"
-DEMO_CONFIG ?= recipes/configs/ppo_tau2_retail.yaml
+# ---- demo: the tau2 recipe (recipes/ppo_tau2.py) with recipes/configs/demo_tau2_mock.yaml, offline, on CPU.
+# Extra flags go in ARGS, e.g. make demo ARGS="--seed 1 --output_dir /tmp/demo_out"
+DEMO_CONFIG ?= recipes/configs/demo_tau2_mock.yaml
 ACCELERATE_CONFIG ?= recipes/accelerate_configs/single_process.yaml
 ARGS ?=
 

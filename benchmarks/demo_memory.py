@@ -1,5 +1,5 @@
-"""Peak resident memory of one step of the τ² demo (recipes/ppo_tau2.py, its CPU config): TreePPOTrainer vs
-stock GRPOTrainer with and without gradient checkpointing, each in a fresh process.
+"""Peak resident memory of one step of the τ² recipe on retail (recipes/ppo_tau2.py, its retail CPU config):
+TreePPOTrainer vs stock GRPOTrainer with and without gradient checkpointing, each in a fresh process.
 
     python benchmarks/demo_memory.py [--runs tree,grpo,grpo+ckpt] [--max_rss_gb 18] [-- RECIPE FLAGS...]
 

@@ -1,7 +1,8 @@
-"""What holds the memory of a walk: the τ² demo's loss forward/backward (one 5.4k-token prompt, 4 completions
-of 130 tokens, a SmolLM2-135M-shaped Llama built from its config, fp32, sdpa) walked by ``TreeExecutor`` at
-several block sizes, against a dense forward/backward of the 4 rows with and without gradient checkpointing
-(``logits_to_keep``: LM head on the completions only, as TRL). Each run in a fresh process.
+"""What holds the memory of a walk: the τ² retail step's loss forward/backward (one 5.4k-token prompt, 4
+completions of 130 tokens, a SmolLM2-135M-shaped Llama built from its config, fp32, sdpa) walked by
+``TreeExecutor`` at several block sizes, against a dense forward/backward of the 4 rows with and without
+gradient checkpointing (``logits_to_keep``: LM head on the completions only, as TRL). Each run in a fresh
+process.
 
     python benchmarks/walk_memory.py [--runs tree:2048,tree:512,tree:256,dense+ckpt] [--threads 2]
 

@@ -13,7 +13,8 @@ from a YAML file and/or the command line (the command line wins):
     accelerate launch --config_file recipes/accelerate_configs/single_process.yaml recipes/ppo_tau2.py \
         --config recipes/configs/ppo_tau2_retail.yaml --max_steps 1 --output_dir outputs/demo
 
-`make demo` runs that (offline, on CPU). recipes/README.md has the details.
+`make demo` runs it with `recipes/configs/demo_tau2_mock.yaml` (offline, on CPU: synthetic τ² mock tasks, a
+supervised warm start, RL, held-out success before and after). recipes/README.md has the details.
 
 Features:
 - Model: `--model_name_or_path` is any Hub id or local path, loaded by TRL (`--dtype`,
@@ -28,7 +29,12 @@ Features:
 - User: the offline scripted user, or an LLM behind an OpenAI-compatible endpoint (`--user_base_url`,
   `--user_model`, `--user_api_key`); `--max_user_turns`.
 - Reward: τ²'s reward plus `--shaping`; `--reward_funcs` adds named rewards (`recipe_utils/rewards.py`).
-- Evaluation: `--eval_strategy steps|epoch` evaluates on τ²'s test split of the domain (`--max_eval_tasks`).
+- Evaluation: `--greedy_eval` measures held-out success (greedy rollouts, τ²'s check alone) before training,
+  after the warm start and during RL (`recipe_utils/evaluation.py`); `--eval_strategy steps|epoch` runs TRL's
+  sampled evaluation on τ²'s test split of the domain (`--max_eval_tasks`).
+- Warm start: `--warm_start_steps` SFT steps (stock `trl.SFTTrainer`) on the training tasks' gold
+  conversations before RL (`recipe_utils/warm_start.py`). Tasks: `--synthetic_tasks` with `--domain mock`
+  (`trl_dta/envs/tau2/synthetic.py`); `--policy false` drops the domain policy from the prompt.
 - A/B: `--no_tree` trains with stock `trl.GRPOTrainer` on the same settings.
 - Outputs in `output_dir`: checkpoints, the final model, `trainer_state.json`, `reward_curve.png`
   (`--no_plot` turns it off; `recipe_utils/plotting.py`), TensorBoard logs when installed.
@@ -113,6 +119,42 @@ class ScriptArguments:
             "(module.function). See recipes/recipe_utils/rewards.py."
         },
     )
+    policy: bool = field(
+        default=True,
+        metadata={"help": "Put the domain policy in the system prompt (False: τ²'s instructions only)."},
+    )
+    synthetic_tasks: int = field(
+        default=0,
+        metadata={
+            "help": "With --domain mock: train on this many synthetic create-task tasks "
+            "(trl_dta/envs/tau2/synthetic.py) instead of τ²'s 9, and hold out --synthetic_eval_tasks more."
+        },
+    )
+    synthetic_eval_tasks: int = field(
+        default=16, metadata={"help": "Held-out synthetic tasks (titles never trained on)."}
+    )
+    warm_start_steps: int = field(
+        default=0,
+        metadata={
+            "help": "Before RL, this many SFT steps (trl.SFTTrainer) on the gold conversations of the "
+            "training tasks (recipe_utils/warm_start.py). 0: no warm start."
+        },
+    )
+    warm_start_learning_rate: float = field(
+        default=1e-4, metadata={"help": "Learning rate of the warm start."}
+    )
+    warm_start_batch_size: int = field(default=8, metadata={"help": "Conversations per warm-start step."})
+    greedy_eval: bool = field(
+        default=False,
+        metadata={
+            "help": "Held-out success (greedy rollouts, τ²'s check alone; recipe_utils/evaluation.py) before "
+            "training, after the warm start, every --greedy_eval_steps RL steps and at the end, logged as "
+            "eval_tau2_success. Held-out tasks: the synthetic ones, else τ²'s test split (--max_eval_tasks)."
+        },
+    )
+    greedy_eval_steps: int = field(
+        default=0, metadata={"help": "With --greedy_eval: also evaluate every this many RL steps (0: never)."}
+    )
     no_tree: bool = field(
         default=False,
         metadata={
@@ -138,6 +180,8 @@ class ScriptArguments:
             raise ValueError(f"--domain {self.domain} is not supported: {reason}. Choose one of {DOMAINS}.")
         if self.domain not in DOMAINS:
             raise ValueError(f"Unknown --domain {self.domain!r}: choose one of {DOMAINS}.")
+        if self.synthetic_tasks and self.domain != "mock":
+            raise ValueError("--synthetic_tasks adds tasks to τ²'s mock domain: use it with --domain mock.")
         if bool(self.user_base_url) != bool(self.user_model):
             raise ValueError("An LLM user needs both --user_base_url and --user_model.")
 
@@ -169,13 +213,18 @@ def setup_logging(training_args: TreePPOConfig) -> None:
 
 
 def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args: ModelConfig) -> dict:
+    from recipe_utils.evaluation import GreedySuccessCallback, greedy_success
     from recipe_utils.offline_model import resolve_model_name
     from recipe_utils.plotting import plot_rewards
     from recipe_utils.rewards import reward_functions
+    from recipe_utils.warm_start import warm_start
+    from transformers import AutoTokenizer, set_seed
     from trl import GRPOTrainer
+    from trl.trainer.utils import create_model_from_path
 
     from trl_dta import TreePPOTrainer
     from trl_dta.envs import LLMUser, Tau2Environment, load_tau2_dataset
+    from trl_dta.envs.tau2.synthetic import add_mock_create_tasks
 
     setup_logging(training_args)
     if os.getcwd() not in sys.path:  # --reward_funcs my_module.my_reward from the working dir, as in TRL
@@ -202,19 +251,27 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
             LLMUser, base_url=script_args.user_base_url, model=script_args.user_model, api_key=api_key
         )
 
-    # ---- setup: τ²'s train split, and its test split when evaluation is on
+    # ---- setup: the tasks: τ²'s train split (or synthetic mock tasks), and held-out tasks when evaluated
     tasks = functools.partial(
         load_tau2_dataset,
         domain=script_args.domain,
         write_only=script_args.write_only,
         seed=training_args.seed,
+        policy=script_args.policy,
     )
-    dataset = tasks(split="train", max_tasks=script_args.max_tasks)
-    eval_dataset = None
-    if training_args.eval_strategy != "no":
-        eval_dataset = tasks(split="test", max_tasks=script_args.max_eval_tasks)
-        if len(eval_dataset) == 0:
-            raise ValueError(f"Evaluation is on, but τ²'s {script_args.domain} test split has no task.")
+    heldout = None
+    if script_args.synthetic_tasks:
+        train_ids, test_ids = add_mock_create_tasks(
+            script_args.synthetic_tasks, script_args.synthetic_eval_tasks, seed=training_args.seed
+        )
+        dataset, heldout = tasks(task_ids=train_ids), tasks(task_ids=test_ids)
+    else:
+        dataset = tasks(split="train", max_tasks=script_args.max_tasks)
+        if training_args.eval_strategy != "no" or script_args.greedy_eval:
+            heldout = tasks(split="test", max_tasks=script_args.max_eval_tasks)
+    eval_dataset = heldout if training_args.eval_strategy != "no" else None
+    if heldout is not None and len(heldout) == 0:
+        raise ValueError(f"Evaluation is on, but τ²'s {script_args.domain} test split has no task.")
 
     environment_factory = functools.partial(
         Tau2Environment,
@@ -223,16 +280,62 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
         max_user_turns=script_args.max_user_turns,
         shaping=script_args.shaping,
     )
+
+    # ---- warm start and held-out success before RL (both need the model in hand: load it as TRL would)
+    model, tokenizer, evaluations = model_id, None, []
+    if script_args.warm_start_steps or script_args.greedy_eval:
+        set_seed(training_args.seed)
+        kwargs = {"trust_remote_code": training_args.trust_remote_code, **model_init_kwargs}
+        model = create_model_from_path(model_id, **kwargs)
+        training_args.model_init_kwargs = None  # used here; TRL would warn that it ignores them
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_id,
+            revision=model_args.model_revision,
+            padding_side="left",
+            truncation_side="left",
+            trust_remote_code=training_args.trust_remote_code,
+        )  # fmt: skip (as GRPOTrainer loads them from a path)
+    success = functools.partial(
+        greedy_success, tokenizer=tokenizer, rows=heldout, environment_factory=environment_factory,
+        max_tool_calls=training_args.max_tool_calling_iterations or 0,
+        max_completion_length=training_args.max_completion_length,
+    )  # fmt: skip
+    if script_args.greedy_eval:
+        evaluations.append(("before training", success(model)))
+        logger.info("held-out success before training: %.3f (%d tasks)", evaluations[-1][1], len(heldout))
+    if script_args.warm_start_steps:
+        warm_started = time.perf_counter()
+        sft_log = warm_start(
+            model, tokenizer, dataset, environment_factory, steps=script_args.warm_start_steps,
+            learning_rate=script_args.warm_start_learning_rate, batch_size=script_args.warm_start_batch_size,
+            output_dir=training_args.output_dir, seed=training_args.seed,
+        )  # fmt: skip
+        losses = [round(r["loss"], 3) for r in sft_log if "loss" in r]
+        logger.info(
+            "warm start: %d SFT steps, loss %s, %.0f s",
+            len(losses),
+            losses,
+            time.perf_counter() - warm_started,
+        )
+        if script_args.greedy_eval:
+            evaluations.append(("after warm start", success(model)))
+            logger.info("held-out success after the warm start: %.3f", evaluations[-1][1])
+
     trainer_cls = GRPOTrainer if script_args.no_tree else TreePPOTrainer
     trainer = trainer_cls(
-        model=model_id,
+        model=model,
         args=training_args,
         train_dataset=dataset,
         eval_dataset=eval_dataset,
         reward_funcs=reward_functions(script_args.reward_funcs, training_args.max_completion_length) or None,
         environment_factory=environment_factory,  # TRL adds the environment's get_reward as a reward
         peft_config=get_peft_config(model_args),
+        processing_class=tokenizer,
     )
+    if script_args.greedy_eval:
+        trainer.add_callback(
+            GreedySuccessCallback(trainer, heldout, environment_factory, script_args.greedy_eval_steps)
+        )
     logger.info(
         "model: %s -> %s | trainer: %s | domain %s, %d train / %s eval tasks | user: %s | precision: %s | "
         "setup %.1f s",
@@ -251,9 +354,13 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
     summary = {"output_dir": output_dir, "model": how, "trainer": trainer_cls.__name__}
     if trainer.accelerator.is_main_process:
         trainer.state.save_to_json(os.path.join(output_dir, "trainer_state.json"))
+        during = [(f"after RL step {r['step']}", r["eval_tau2_success"])
+                  for r in trainer.state.log_history if "eval_tau2_success" in r]  # fmt: skip
+        if script_args.greedy_eval:
+            summary["heldout_success"] = dict(evaluations + during[-1:])
         if script_args.plot:
             summary["plot"] = plot_rewards(
-                trainer.state.log_history, os.path.join(output_dir, "reward_curve.png")
+                trainer.state.log_history, os.path.join(output_dir, "reward_curve.png"), before_rl=evaluations
             )
         steps = [r for r in trainer.state.log_history if "reward" in r]
         if steps:
@@ -263,6 +370,9 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
             }
         summary["wall_s"] = round(time.perf_counter() - started, 1)
         logger.info("done: %s", json.dumps(summary))
+        if script_args.greedy_eval:
+            path = " -> ".join(f"{k} {v:.0%}" for k, v in summary["heldout_success"].items())
+            logger.info("held-out success (greedy, τ²'s check, %d tasks): %s", len(heldout), path)
     if hasattr(trainer, "end"):  # transformers >= 5.18: finish trackers, destroy the process group
         trainer.end()
     return summary

@@ -23,7 +23,8 @@ from recipe_utils.rewards import reward_functions, tool_call_format
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "ppo_tau2.py"
 CONFIGS = REPO / "recipes" / "configs"
-DEMO_CONFIG = CONFIGS / "ppo_tau2_retail.yaml"
+DEMO_CONFIG = CONFIGS / "demo_tau2_mock.yaml"  # `make demo`
+RETAIL_CONFIG = CONFIGS / "ppo_tau2_retail.yaml"  # retail on CPU: the runs below start from it
 
 
 def _load_recipe():
@@ -54,12 +55,21 @@ def test_demo_config_parses_with_cpu_defaults(tmp_path):
     argv = ["--config", str(DEMO_CONFIG), "--max_steps", "1", "--output_dir", str(tmp_path)]
     script, train, model = _parse(*argv)
     assert model.model_name_or_path == offline_model.OFFLINE_SMOLLM2  # the demo never reaches the Hub
-    assert script.domain == "retail" and script.shaping > 0 and script.plot and not script.no_tree
+    assert script.domain == "mock" and script.synthetic_tasks > 0 and script.synthetic_eval_tasks > 0
+    assert script.warm_start_steps > 0 and script.greedy_eval and script.shaping == 0 and script.plot
+    assert not script.no_tree and not script.policy
     assert train.max_steps == 1 and train.output_dir == str(tmp_path)  # the command line wins over the YAML
-    assert train.num_generations == 4 and train.per_device_train_batch_size == 4  # one task per step
-    assert train.max_completion_length <= 128 and train.max_tool_calling_iterations == 2
-    assert train.bf16 is False and train.logging_steps == 1 and train.save_strategy == "steps"
+    assert train.num_generations == 4 and train.max_tool_calling_iterations == 2
+    assert train.bf16 is False and train.logging_steps == 1
     assert type(train).__name__ == "TreePPOConfig"
+
+
+def test_retail_config_parses_with_cpu_defaults(tmp_path):
+    script, train, model = _parse("--config", str(RETAIL_CONFIG), "--output_dir", str(tmp_path))
+    assert model.model_name_or_path == offline_model.OFFLINE_SMOLLM2
+    assert script.domain == "retail" and script.shaping > 0 and not script.synthetic_tasks
+    assert train.num_generations == 4 and train.per_device_train_batch_size == 4  # one task per step
+    assert train.max_completion_length <= 128 and train.bf16 is False
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
@@ -93,6 +103,8 @@ def test_unsupported_settings_fail_at_startup(tmp_path):
         _parse("--config", str(config), "--output_dir", str(tmp_path))
     with pytest.raises(ValueError, match="needs both --user_base_url and --user_model"):
         _parse("--output_dir", str(tmp_path), "--user_base_url", "http://localhost:8000/v1")
+    with pytest.raises(ValueError, match="use it with --domain mock"):
+        _parse("--output_dir", str(tmp_path), "--synthetic_tasks", "8")
 
 
 def test_model_names_mean_one_thing():
@@ -274,8 +286,9 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def _run_recipe(model_dir, out, *extra, timeout=900):
-    cmd = [sys.executable, str(RECIPE), "--config", str(DEMO_CONFIG), "--model_name_or_path", str(model_dir),
-           "--output_dir", str(out), "--domain", "mock", "--max_steps", "1", "--num_generations", "8",
+    cmd = [sys.executable, str(RECIPE), "--config", str(RETAIL_CONFIG), "--model_name_or_path",
+           str(model_dir), "--output_dir", str(out), "--domain", "mock", "--max_steps", "1",
+           "--num_generations", "8",
            "--per_device_train_batch_size", "8", "--max_completion_length", "96", "--report_to", "none",
            "--save_strategy", "no", "--disable_tqdm", "true", *extra]  # fmt: skip
     offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -327,3 +340,96 @@ def test_recipe_no_tree_matches(tree_run, tiny_model_dir, tmp_path):
     assert dense["reward"] == tree["reward"] and dense["reward_std"] == tree["reward_std"]
     assert dense["num_tokens"] == tree["num_tokens"]
     assert dense["grad_norm"] == pytest.approx(tree["grad_norm"], rel=1e-3)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Held-out success: greedy rollouts scored by τ²'s check
+# ------------------------------------------------------------------------------------------------------------
+class ScriptedLM(torch.nn.Module):
+    """Stands in for a causal LM in greedy_success: ``reply(prompt_text)`` says what each row generates."""
+
+    def __init__(self, tokenizer, reply):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+        self.tokenizer, self.reply, self.calls = tokenizer, reply, 0
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, do_sample, pad_token_id, eos_token_id):
+        assert do_sample is False
+        self.calls += 1
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist(), strict=True):
+            text = self.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+            new = self.tokenizer.encode(self.reply(text), add_special_tokens=False)[: max_new_tokens - 1]
+            rows.append(ids + new + [eos_token_id])
+        width = max(map(len, rows))
+        return torch.tensor([r + [pad_token_id] * (width - len(r)) for r in rows])
+
+
+@pytest.mark.parametrize("answer, expected", [("right", 1.0), ("wrong title", 0.0), ("text", 0.0)])
+def test_greedy_success_scores_tau2_check(answer, expected):
+    pytest.importorskip("tau2")
+    import re
+
+    from recipe_utils.evaluation import greedy_success
+
+    from trl_dta.envs import Tau2Environment, load_tau2_dataset
+    from trl_dta.envs.tau2.synthetic import add_mock_create_tasks
+    from trl_dta.testing.grpo import tiny_tokenizer
+
+    tokenizer = copy.deepcopy(tiny_tokenizer())
+    tokenizer.model_max_length = 1 << 20
+    _, test = add_mock_create_tasks(0, 3, seed=5)
+    rows = load_tau2_dataset("mock", task_ids=test, policy=False)
+
+    def reply(conversation):
+        if "<tool_response>" in conversation:
+            return "Done."
+        title = re.findall(r"called '([^']+)'", conversation)[-1]
+        title = {"right": title, "wrong title": title + "s"}.get(answer)
+        if title is None:
+            return "I cannot do that."
+        call = {"name": "create_task", "arguments": {"user_id": "user_1", "title": title}}
+        return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+    model = ScriptedLM(tokenizer, reply)
+    factory = functools.partial(Tau2Environment, domain="mock", shaping=0.0)
+    assert greedy_success(model, tokenizer, rows, factory, 2, 512, batch_size=2) == expected
+    assert model.calls == (4 if answer != "text" else 2)  # 2 batches; a tool call adds a turn
+    if answer == "right":  # no tool call allowed: the call is never run
+        assert greedy_success(model, tokenizer, rows, factory, 0, 512) == 0.0
+        assert greedy_success(model, tokenizer, rows, factory, 2, 10) == 0.0  # cut before the call closes
+
+
+def test_plot_rewards_with_heldout_success(tmp_path):
+    pytest.importorskip("matplotlib")
+    history = [{"step": s, "reward": 0.1 * s, "reward_std": 0.05, "grad_norm": 1.0} for s in (1, 2, 3)]
+    history += [{"step": 2, "eval_tau2_success": 0.5}, {"step": 3, "eval_tau2_success": 0.75}]
+    before = [("before training", 0.0), ("after warm start", 0.25)]
+    path = plot_rewards(history, tmp_path / "reward_curve.png", before_rl=before)
+    assert path and Path(path).stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_demo_pipeline_tiny_model(tiny_model_dir, tmp_path):
+    """The demo's phases on the tiny model: synthetic tasks, held-out success before training, the warm start,
+    held-out success after it, RL steps with held-out success every step, the plot and the final summary."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "demo"
+    cmd = [sys.executable, str(RECIPE), "--config", str(DEMO_CONFIG), "--model_name_or_path",
+           str(tiny_model_dir), "--output_dir", str(out), "--synthetic_tasks", "4",
+           "--synthetic_eval_tasks", "2",
+           "--warm_start_steps", "1", "--warm_start_batch_size", "4", "--max_steps", "2",
+           "--greedy_eval_steps", "1", "--per_device_train_batch_size", "4", "--max_completion_length", "64",
+           "--disable_tqdm", "true"]  # fmt: skip
+    offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, check=False, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", **offline),
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert [r["step"] for r in history if "eval_tau2_success" in r] == [1, 2]
+    assert all(0.0 <= r["eval_tau2_success"] <= 1.0 for r in history if "eval_tau2_success" in r)
+    assert len([r for r in history if "reward" in r]) == 2
+    logs = proc.stderr + proc.stdout
+    assert "warm start: 1 SFT steps" in logs and "held-out success before training" in logs
+    assert "held-out success (greedy, τ²'s check, 2 tasks): before training" in logs
+    assert (out / "reward_curve.png").stat().st_size > 1000
