@@ -98,7 +98,7 @@ class TreeExecutor:
     ):
         self.block_size = check_count("block_size", block_size, minimum=1)
         self.batch_tokens = block_size if batch_tokens is None else check_count("batch_tokens", batch_tokens)
-        self._subtree_tokens = check_count("subtree_tokens", subtree_tokens)
+        self.subtree_tokens = check_count("subtree_tokens", subtree_tokens)
         self._pack_leaves = bool(pack_leaves)
         self.gather_per_layer = bool(gather_per_layer)
         self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32)
@@ -108,10 +108,6 @@ class TreeExecutor:
     def pack_leaves(self) -> bool:
         """Whether sibling leaves are packed into one row (asked for, and exact for the model)."""
         return self._pack_leaves and self.lm.can_pack
-
-    @property
-    def subtree_tokens(self) -> int:
-        return self._subtree_tokens if self.pack_leaves else 0
 
     @property
     def device(self) -> torch.device:
@@ -232,7 +228,8 @@ class TreeExecutor:
         with lm.no_gradient_checkpointing(), sharded as lockstep:  # (its final reduction too)
             lm.check_model()
             seq_from, node_from = scored_from(trie, score_from)
-            plan = build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves, self.subtree_tokens)
+            subtree = self.subtree_tokens if self.pack_leaves else 0
+            plan = build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves, subtree)
             walk = Walk(
                 trie, temperature, entropies, grad, on_sequence, PathKV(self._capacity(plan)), seq_from,
                 node_from, router, scoring, self.calls, lockstep,
