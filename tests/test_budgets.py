@@ -127,3 +127,26 @@ def test_values_only_entropies():
         model.zero_grad(set_to_none=True)
         executor.backward(PrefixTrie.from_sequences(seqs), detached, entropies=True)
         assert max_rel_diff(got, grads_of(model)) < 1e-12
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_host_syncs_do_not_grow_with_calls(family):
+    """Every call's ids, positions and mask indices come from one host-to-device copy per walk: the walk's
+    sync-prone operators (scalar reads, data-dependent shapes, tensors from Python data) stay a constant."""
+    from trl_dta.testing.syncs import SyncCounter
+
+    model = make_model(family, "sdpa", dtype=torch.float32)
+    counts = []
+    for rollouts in (4, 16):
+        seqs = [[1, 2, 3, 4, 5, 6 + i % 7, 7 + i % 5] + [10 + i % 11] * 3 for i in range(rollouts)]
+        trie = PrefixTrie.from_sequences(seqs)
+        executor = TreeExecutor(model, block_size=3, batch_tokens=4, subtree_tokens=6)
+        executor.backward(trie, lambda i, lp, ent: lp.sum(), entropies=True)  # warm: first-call checks
+        before = executor.calls.forward + executor.calls.backward
+        with SyncCounter() as syncs:
+            executor.backward(trie, lambda i, lp, ent: lp.sum(), entropies=True)
+            executor.logprobs(trie)
+        counts.append((executor.calls.forward + executor.calls.backward - before, syncs.total, dict(syncs.ops)))
+    (few_calls, few, _), (many_calls, many, ops) = counts
+    assert many_calls > 3 * few_calls  # the check means something: many more calls
+    assert many == few <= 4, ops  # per walk: the inputs' copy, and backward's summed loss

@@ -127,8 +127,8 @@ def activation_bytes(config, dtype: torch.dtype, entropy_grad: bool = True) -> A
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     e = torch.empty((), dtype=dtype).element_size()
     d = config.hidden_size
-    heads = config.num_attention_heads
-    head_dim = _width(config, "head_dim", d // heads)
+    heads = getattr(config, "num_attention_heads", None) or 0  # (0: a state-space model)
+    head_dim = _width(config, "head_dim", d // heads if heads else 0)
     q = heads * head_dim
     kv = _width(config, "num_key_value_heads", heads) * head_dim
     inner = _width(config, "intermediate_size", 4 * d)

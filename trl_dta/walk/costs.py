@@ -50,8 +50,8 @@ class CallCost:
     def for_model(cls, config, device_type: str, block_sparse: bool = False) -> CallCost:
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         device = device_costs(device_type)
-        d, heads = config.hidden_size, config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or d // heads
+        d, heads = config.hidden_size, getattr(config, "num_attention_heads", None) or 0  # (0: state models)
+        head_dim = getattr(config, "head_dim", None) or (d // heads if heads else 0)
         q = heads * head_dim
         kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
         inner = getattr(config, "intermediate_size", None) or 4 * d

@@ -45,6 +45,7 @@ from .costs import CallCost
 from .errors import ArgumentTypeError, UnsupportedModelError
 from .flops import flops as count_flops
 from .forwards import forward, forward_packed, forward_padded
+from .inputs import WalkInputs
 from .model import CausalLM
 from .path_kv import PathKV
 from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, build_plan
@@ -305,6 +306,7 @@ class TreeExecutor:
             walk = Walk(
                 trie, temperature, entropies, grad, on_sequence, PathKV(self._capacity(plan)), seq_from,
                 node_from, router, scoring, self.calls, lockstep, entropy_grad=entropy_grad,
+                inputs=WalkInputs(trie, plan, self.device, self.pack_leaves),
             )  # fmt: skip
             lockstep.start(len(plan), grad)
             for step in plan:
@@ -340,10 +342,6 @@ class TreeExecutor:
             total = torch.stack(losses).sum()
             walk.lockstep.backward(total) if walk is not None else total.backward()
         return bool(losses)
-
-    def _segment_ids(self, trie: PrefixTrie, segment: Segment) -> torch.Tensor:
-        tokens = trie.sequences[segment.node.seq][segment.start : segment.end]
-        return torch.as_tensor(tokens, dtype=torch.long, device=self.device)
 
     def _route_rows(self, walk: Walk, node: TrieNode, routers, top: Frame | None, lead: int):
         """MoE: route one row's router logits, whose first ``lead`` tokens are the pending segment ``top``'s:
@@ -384,7 +382,7 @@ class TreeExecutor:
         one applies) or have no backward. Such a segment is *pending*: only its token's log-prob is computed
         (from the parent's last hidden state), and each child forwards the token again at the head of its
         own forward (one token more per child, exact)."""
-        ids = self._segment_ids(walk.trie, segment)
+        ids = walk.inputs.ids(segment)
         top = walk.pending()
         lead = 0 if top is None else top.pending.numel()
         if top is None and walk.stack and self.lm.has_states and ids.numel() == 1:
@@ -428,7 +426,7 @@ class TreeExecutor:
         segments = step.segments
         top = walk.pending()  # its token heads every row (state models, see _compute_segment)
         lead = 0 if top is None else top.pending.numel()
-        ids = [self._segment_ids(walk.trie, s) for s in segments]
+        ids = [walk.inputs.ids(s) for s in segments]
         if lead:
             ids = [torch.cat([top.pending, t]) for t in ids]
         start = segments[0].start - lead

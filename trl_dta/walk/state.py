@@ -21,6 +21,7 @@ import torch
 
 from ..trie import PrefixTrie, TrieNode
 from .cache import KV, LayerCache, expand_states, states_of
+from .inputs import WalkInputs
 from .lockstep import Lockstep
 from .path_kv import PathKV
 from .plan import Segment
@@ -137,6 +138,7 @@ class Walk:
     lockstep: Lockstep = field(default_factory=Lockstep)  # runs the backward calls through the model
     stack: list[Frame] = field(default_factory=list)
     entropy_grad: bool = True  # entropies carry a graph (False: values only)
+    inputs: WalkInputs | None = None  # every call's ids and packed-row index tensors, on the device
 
     def first_scored(self, node: TrieNode) -> int:
         return 0 if self.node_from is None else self.node_from[node]
