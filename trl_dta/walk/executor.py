@@ -180,7 +180,7 @@ class TreeExecutor:
         subtree = budgets.subtree_tokens if self.pack_leaves else 0
         costs = self.call_cost
         if costs is None and self._memory is not None:  # (fixed budgets: each leaf batch filled, as measured)
-            costs = CallCost.for_model(self.lm.config, self.device.type)
+            costs = CallCost.for_model(self.lm.config, self.device.type, self.lm.block_sparse)
         return build_plan(
             trie, budgets.block_size, budgets.batch_tokens, self.pack_leaves, subtree, costs=costs
         )
