@@ -174,7 +174,7 @@ def test_block_mask_is_the_packed_mask(seed):
 
     parents, lengths, past = _random_rows(seed)
     starts = []
-    for k, parent in enumerate(parents):
+    for parent in parents:
         starts.append(past if parent < 0 else starts[parent] + lengths[parent])
     segments = tuple(
         Segment(TrieNode(None, s, s + n, 0), s, s + n) for s, n in zip(starts, lengths, strict=True)

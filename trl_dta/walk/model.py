@@ -135,13 +135,12 @@ class CausalLM:
         self.block_sparse = impl == "flex_attention"  # packed rows take a BlockMask (packing.py)
         if self.block_sparse and self.device.type == "cpu":
             raise UnsupportedModelError(
-                "attn_implementation='flex_attention' is supported on CUDA only: torch's flex attention has no "
-                "backward on CPU, and its compiled CPU kernels failed on the walk's calls (torch 2.13). Use "
-                "'sdpa' on CPU."
+                "attn_implementation='flex_attention' is supported on CUDA only: torch's flex attention has "
+                "no backward on CPU, and its compiled CPU kernels failed on the walk's calls (torch 2.13). "
+                "Use 'sdpa' on CPU."
             )
-        self._may_pack = (
-            impl in ("eager", "sdpa", "flex_attention") and self.attention_window is None and not self.has_states
-        )
+        masks = ("eager", "sdpa", "flex_attention")  # backends that take the walk's masks
+        self._may_pack = impl in masks and self.attention_window is None and not self.has_states
         self.can_pack = self.probe() if self._probed else False
 
     def _binding(self) -> tuple:
