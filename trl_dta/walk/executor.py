@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -44,12 +45,14 @@ from .forwards import forward, forward_packed, forward_padded
 from .model import CausalLM
 from .path_kv import PathKV
 from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, build_plan
+from .recovery import RETRIES, OOMRecovery
 from .router import RouterGrad, RouterStats, route
 from .scoring import path_scores, score_rows, scored_from
 from .sharding import agree_on, fsdp_units, gathered
 from .state import CallCounts, Frame, OnSequence, SegmentOutputs, Walk, flat_outputs
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+T = TypeVar("T")
 
 
 class TreeExecutor:
@@ -81,6 +84,10 @@ class TreeExecutor:
             layer only for its own calls and reduce-scatter its gradients after each backward call, the calls
             of all ranks kept in lock-step (:mod:`trl_dta.walk.lockstep`), instead of gathering every unit
             once per walk. Slower: see the README's memory model. Ignored for an unsharded model.
+        oom_retries: a walk that runs out of memory (``torch.OutOfMemoryError``, ``MemoryError``) is walked
+            again with every budget halved, up to this many times, its partial gradients discarded; the
+            smaller budgets stay for later walks and grow back after a while (:mod:`trl_dta.walk.recovery`,
+            ``oom_recovery``). 0: an out-of-memory error is raised as it is.
 
     Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
     HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
@@ -95,6 +102,7 @@ class TreeExecutor:
         pack_leaves: bool = True,
         subtree_tokens: int = 512,
         gather_per_layer: bool = False,
+        oom_retries: int = RETRIES,
     ):
         self.block_size = check_count("block_size", block_size, minimum=1)
         self.batch_tokens = block_size if batch_tokens is None else check_count("batch_tokens", batch_tokens)
@@ -103,6 +111,7 @@ class TreeExecutor:
         self.gather_per_layer = bool(gather_per_layer)
         self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32)
         self.calls = CallCounts()  # model calls of every walk so far (tree/calls, tree/tokens_per_call)
+        self.oom_recovery = OOMRecovery(oom_retries) if check_count("oom_retries", oom_retries) else None
 
     @property
     def pack_leaves(self) -> bool:
@@ -133,7 +142,10 @@ class TreeExecutor:
         def record(index, lp, ent):
             logps[index], ents[index] = lp, ent
 
-        self._walk(trie, temperature, entropies, record, grad=False, score_from=score_from)
+        self._recovered(
+            lambda: self._walk(trie, temperature, entropies, record, grad=False, score_from=score_from),
+            trie, grad=False,
+        )  # fmt: skip
         return (logps, ents) if entropies else logps
 
     def flops(self, trie: PrefixTrie, score_from: Sequence[int] | None = None) -> tuple[float, float]:
@@ -147,9 +159,13 @@ class TreeExecutor:
         experts each token's router picks and sums its router probabilities (:class:`RouterStats`)."""
         if not self.lm.is_moe:
             raise ValueError(f"{self.lm.name} has no MoE router.")
-        stats = RouterStats({}, {}, 0)
-        self._walk(trie, 1.0, False, lambda *a: None, grad=False, router=stats, scoring=False)
-        return stats
+
+        def walk() -> RouterStats:
+            stats = RouterStats({}, {}, 0)  # (a fresh count for each attempt)
+            self._walk(trie, 1.0, False, lambda *a: None, grad=False, router=stats, scoring=False)
+            return stats
+
+        return self._recovered(walk, trie, grad=False)
 
     def backward(
         self,
@@ -203,10 +219,21 @@ class TreeExecutor:
             total.append(loss.detach())
             return loss
 
-        self._walk(
-            trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from
-        )
+        def walk() -> None:
+            total.clear()  # (a retried walk scores every sequence again)
+            self._walk(
+                trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from
+            )
+
+        self._recovered(walk, trie, grad=True)
         return float(sum(t.detach().double() for t in total)) if total else 0.0
+
+    def _recovered(self, walk: Callable[[], T], trie: PrefixTrie, grad: bool) -> T:
+        """Run ``walk()``, one walk of ``trie``; one that runs out of memory is walked again with halved
+        budgets by :attr:`oom_recovery` (:mod:`trl_dta.walk.recovery`), if on."""
+        if self.oom_recovery is None or not isinstance(trie, PrefixTrie):  # (a bad trie: _walk says why)
+            return walk()
+        return self.oom_recovery.run(self, walk, trie, grad)
 
     # ------------------------------------------------------------------ the walk
     def _walk(
