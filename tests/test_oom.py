@@ -244,3 +244,22 @@ def test_trainer_step_with_an_oom_mid_walk_equals_the_uninjected_step(tmp_path, 
     assert budgets(next(iter(trainer._executors.values()))) == Budgets(8, 12, 256)  # kept for later steps
     assert max_rel_diff(got_grads, ref_grads) <= OTHER_PLAN
     assert relative_error(got_params, ref_params) <= SAME_PLAN  # the run's parameters after one SGD step
+
+
+def test_a_walk_that_fails_otherwise_leaves_the_gradients_as_they_were(model):
+    trie = PrefixTrie.from_sequences(sequences())
+    torch.manual_seed(2)
+    before = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    set_grads(model, before)
+    calls = []
+
+    def failing(i, lp, ent):
+        calls.append(i)
+        if len(calls) == 4:
+            raise KeyError("a loss_fn bug")
+        return loss_fn(i, lp, ent)
+
+    with pytest.raises(KeyError, match="a loss_fn bug"):
+        TreeExecutor(model, **BUDGETS).backward(trie, failing)
+    assert max_rel_diff(grads(model), before) == 0.0
+    set_grads(model, None)

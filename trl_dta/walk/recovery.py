@@ -8,7 +8,8 @@ one's. :class:`OOMRecovery` (a :class:`~trl_dta.walk.executor.TreeExecutor`'s ``
 
 1. what the failed walk added to the trainable parameters' ``.grad`` is discarded: before a gradient walk
    the gradients already there are set aside (:class:`_SetAside`, no copy) and the walk accumulates into
-   fresh ones; a failed walk's are dropped, a finished walk's are added to those set aside;
+   fresh ones; a failed walk's are dropped, a finished walk's are added to those set aside (a walk that
+   fails otherwise, a refusal or a ``loss_fn`` that raises, also leaves the gradients as they were);
 2. the failed walk's buffers are freed (its exception, whose traceback holds its frames, is dropped; then
    ``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()``);
 3. every budget is halved (``block_size`` down to 1, the others down to 0) and the same trie is walked
@@ -165,6 +166,10 @@ class OOMRecovery:
                     raise self._give_up(executor, trie, e, attempt) from e
                 failure = _what(e)
                 # leaving this block drops the error and its traceback, which hold the failed walk's frames
+            except BaseException:
+                if aside is not None:  # any other failure: the gradients as they were before the walk
+                    aside.restore()
+                raise
             else:
                 if aside is not None:
                     aside.merge()
