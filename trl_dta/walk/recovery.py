@@ -1,8 +1,9 @@
 """Out-of-memory recovery: a walk that runs out of memory is walked again, whole, with halved budgets.
 
-The walk's peak memory follows its token budgets (``block_size``, ``batch_tokens``, ``subtree_tokens``) and
-the shape of the trie, which changes at every call: budgets that fit one step's trie can fail on the next
-one's. :class:`OOMRecovery` (a :class:`~trl_dta.walk.executor.TreeExecutor`'s ``oom_recovery``) runs each
+The walk's peak memory follows its token budgets (``block_size``, ``batch_tokens``, ``subtree_tokens``: given
+by hand, or derived from a memory budget for each trie, :mod:`trl_dta.walk.budgets`) and the shape of the
+trie, which changes at every call: budgets that fit one step's trie can fail on the next one's.
+:class:`OOMRecovery` (a :class:`~trl_dta.walk.executor.TreeExecutor`'s ``oom_recovery``) runs each
 ``backward``, ``logprobs`` and ``router_stats`` walk; when one raises ``torch.OutOfMemoryError`` or
 ``MemoryError``:
 
@@ -12,15 +13,17 @@ one's. :class:`OOMRecovery` (a :class:`~trl_dta.walk.executor.TreeExecutor`'s ``
    fails otherwise, a refusal or a ``loss_fn`` that raises, also leaves the gradients as they were);
 2. the failed walk's buffers are freed (its exception, whose traceback holds its frames, is dropped; then
    ``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()``);
-3. every budget is halved (``block_size`` down to 1, the others down to 0) and the same trie is walked
-   again, up to ``retries`` times per walk. Then :class:`~trl_dta.walk.errors.WalkOutOfMemoryError` names
-   the budgets tried, the trie's longest path and what was being allocated (the last error's message), with
-   the gradients as they were before the walk.
+3. every budget the failed walk used is halved (``block_size`` down to 1, the others down to 0) and set on
+   the executor as given by hand, and the same trie is walked again, up to ``retries`` times per walk.
+   Then :class:`~trl_dta.walk.errors.WalkOutOfMemoryError` names the budgets tried, the trie's longest
+   path and what was being allocated (the last error's message), with the gradients as they were before
+   the walk.
 
 The smaller budgets stay for later walks. After ``grow_after`` gradient walks (optimizer steps, in the
-trainer) without running out, they double back, one halving at a time, never above the budgets the
-executor had before its first retry; budgets set on the executor by hand in between become the new
-ceiling. A walk's result does not depend on its budgets beyond float rounding (every plan is exact), so a
+trainer) without running out, they double back, one halving at a time, never above those of the walk that
+first ran out; grown back all the way, the executor's own settings return (budgets derived from its memory
+budget for each trie again, where they were). Budgets set on the executor by hand in between replace them
+all. A walk's result does not depend on its budgets beyond float rounding (every plan is exact), so a
 retried walk equals an uninterrupted one to rounding.
 
 Across ranks. On a model sharded with FSDP2 (gather once), the ranks agree before the walk's final
@@ -45,11 +48,12 @@ import gc
 import logging
 import traceback
 from collections.abc import Callable
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+from .budgets import TokenBudgets
 from .checks import check_count
 from .errors import MEMORY_ERRORS, WalkOutOfMemoryError
 from .sharding import fsdp_units, world_size
@@ -62,29 +66,29 @@ RETRIES = 3  # halvings per walk before giving up: budgets down to 1/8
 GROW_AFTER = 100  # gradient walks without running out before the budgets double back, one halving at a time
 
 
-class Budgets(NamedTuple):
-    """The walk's token budgets (those of :class:`~trl_dta.walk.executor.TreeExecutor`)."""
-
-    block_size: int
-    batch_tokens: int
-    subtree_tokens: int
-
-    def halved(self, times: int = 1) -> Budgets:
-        """Each budget halved ``times`` times (``block_size`` at least 1)."""
-        block, batch, subtree = self
-        return Budgets(max(1, block >> times), batch >> times, subtree >> times)
-
-    def __str__(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self._asdict().items())
+# ------------------------------------------------------------------ where the budgets live (one place)
+def walk_budgets(executor, trie, entropy_grad: bool) -> TokenBudgets:
+    """The budgets a walk of ``trie`` uses on ``executor`` (given by hand, or derived from its memory
+    budget)."""
+    return executor.token_budgets(trie, entropy_grad)
 
 
-def budgets(executor, new: Budgets | None = None) -> Budgets:
-    """``executor``'s budgets; with ``new``, also set them to ``new`` (the previous ones are returned). The
-    one place that knows where the budgets live."""
-    current = Budgets(executor.block_size, executor.batch_tokens, executor.subtree_tokens)
-    if new is not None:
-        executor.block_size, executor.batch_tokens, executor.subtree_tokens = new
-    return current
+def set_budgets(executor, settings: tuple) -> tuple:
+    """Set ``executor``'s budgets given by hand, ``(block_size, batch_tokens, subtree_tokens)`` (None:
+    derived from its memory budget); return the previous ones."""
+    old = (executor.block_size, executor.batch_tokens, executor.subtree_tokens)
+    executor.block_size, executor.batch_tokens, executor.subtree_tokens = settings
+    return old
+
+
+def _halved(budgets: TokenBudgets, times: int) -> TokenBudgets:
+    for _ in range(times):
+        budgets = budgets.halved()
+    return budgets
+
+
+def _str(budgets: TokenBudgets) -> str:
+    return ", ".join(f"{k}={v}" for k, v in vars(budgets).items())
 
 
 class _SetAside:
@@ -142,28 +146,34 @@ class OOMRecovery:
         self.grow_after = check_count("grow_after", grow_after)
         self.retried = 0  # walks run again so far
         self._taken = 0  # of which take_retries() has returned
-        self.ceiling: Budgets | None = None  # the budgets before the first retry
         self.halvings = 0  # halvings in effect now
+        self.ceiling: TokenBudgets | None = None  # the budgets of the walk that first ran out
+        self._settings: tuple | None = None  # the executor's own settings then (restored when grown back)
+        self._written: tuple | None = None  # the settings this object last set
         self._clean = 0  # gradient walks since the last halving or growth
 
-    def run(self, executor, walk: Callable[[], T], trie, grad: bool) -> T:
-        """``walk()`` (one walk of ``trie`` on ``executor``; ``grad``: it accumulates gradients), walked again
-        with halved budgets while it runs out of memory."""
+    def run(self, executor, walk: Callable[[], T], trie, grad: bool, entropy_grad: bool = False) -> T:
+        """``walk()`` (one walk of ``trie`` on ``executor``; ``grad``: it accumulates gradients;
+        ``entropy_grad``: as the walk's, for the budgets it uses), walked again with halved budgets while it
+        runs out of memory."""
         self._adopt(executor)
         if executor.gather_per_layer and world_size() > 1 and fsdp_units(executor.lm.model):
             return walk()  # the ranks' lock-step cannot be left and re-joined (module docstring)
         aside = _SetAside(executor.lm.model) if grad else None
+        tried = []
         for attempt in range(self.retries + 1):
             try:
                 result = walk()
             except MEMORY_ERRORS as e:
                 if aside is not None:
                     aside.drop()
-                smaller = budgets(executor).halved()
-                if attempt == self.retries or smaller == budgets(executor):
+                used = walk_budgets(executor, trie, entropy_grad)
+                tried.append(used)
+                smaller = used.halved()
+                if attempt == self.retries or smaller == used:
                     if aside is not None:
                         aside.restore()
-                    raise self._give_up(executor, trie, e, attempt) from e
+                    raise self._give_up(trie, e, tried) from e
                 failure = _what(e)
                 # leaving this block drops the error and its traceback, which hold the failed walk's frames
             except BaseException:
@@ -177,13 +187,18 @@ class OOMRecovery:
                     self._grow(executor)
                 return result
             free_memory(executor.device)
-            old = budgets(executor, smaller)
+            if self.halvings == 0:
+                self.ceiling, self._settings = (
+                    used,
+                    (executor.block_size, executor.batch_tokens, executor.subtree_tokens),
+                )
+            self._write(executor, smaller)
             self.halvings += 1
             self.retried += 1
             self._clean = 0
             logger.warning(
                 "The tree walk ran out of memory (%s); its gradients are discarded and it is walked again "
-                "with halved budgets: %s -> %s (tree/oom_retries).", failure, old, smaller,
+                "with halved budgets: %s -> %s (tree/oom_retries).", failure, _str(used), _str(smaller),
             )  # fmt: skip
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -193,27 +208,33 @@ class OOMRecovery:
         new, self._taken = self.retried - self._taken, self.retried
         return new
 
+    def _write(self, executor, budgets: TokenBudgets | tuple) -> None:
+        settings = tuple(vars(budgets).values()) if isinstance(budgets, TokenBudgets) else budgets
+        set_budgets(executor, settings)
+        self._written = settings
+
     def _adopt(self, executor) -> None:
-        """Budgets changed on the executor since the last walk (by hand) become the new ceiling."""
-        current = budgets(executor)
-        if self.ceiling is None or current != self.ceiling.halved(self.halvings):
-            self.ceiling, self.halvings, self._clean = current, 0, 0
+        """Budgets set on the executor by hand since this object last set them replace its state."""
+        current = (executor.block_size, executor.batch_tokens, executor.subtree_tokens)
+        if self.halvings and current != self._written:
+            self.halvings, self.ceiling, self._settings, self._clean = 0, None, None, 0
 
     def _grow(self, executor) -> None:
         self._clean += 1
         if self.halvings and self.grow_after and self._clean >= self.grow_after:
             self.halvings -= 1
             self._clean = 0
-            old = budgets(executor, self.ceiling.halved(self.halvings))
-            logger.info("The tree walk's budgets grow back: %s -> %s.", old, budgets(executor))
+            after = self._settings if self.halvings == 0 else _halved(self.ceiling, self.halvings)
+            self._write(executor, after)
+            logger.info("The tree walk's budgets grow back one halving: %s.", after)
 
-    def _give_up(self, executor, trie, error: BaseException, attempt: int) -> WalkOutOfMemoryError:
-        tried = [self.ceiling.halved(k) for k in range(self.halvings - attempt, self.halvings + 1)]
+    def _give_up(self, trie, error: BaseException, tried: list[TokenBudgets]) -> WalkOutOfMemoryError:
         return WalkOutOfMemoryError(
-            f"The tree walk ran out of memory at budgets {tried[-1]} after {attempt} halving(s) in this walk "
-            f"(budgets tried: {'; '.join(map(str, tried))}; {self.retries} halvings per walk at most, "
-            f"oom_retries / tree_oom_retries). Longest path of the trie: {trie.max_depth} tokens "
+            f"The tree walk ran out of memory at budgets {_str(tried[-1])} after {len(tried) - 1} halving(s) "
+            f"in this walk (budgets tried: {'; '.join(map(_str, tried))}; {self.retries} halvings per walk "
+            f"at most, oom_retries / tree_oom_retries). Longest path of the trie: {trie.max_depth} tokens "
             f"({trie.num_unique_tokens} unique tokens in {len(trie)} sequences). Last error: {_what(error)}. "
             "The gradients are as they were before the walk. Shorter rollouts (max_completion_length), "
-            "fewer rows per optimizer step, or a sharded model (FSDP2) need less memory; docs/memory.md."
+            "fewer rows per optimizer step, a smaller tree_memory_budget or a sharded model (FSDP2) need "
+            "less memory; docs/memory.md."
         )
