@@ -267,3 +267,19 @@ def test_a_walk_that_fails_otherwise_leaves_the_gradients_as_they_were(model):
         TreeExecutor(model, **BUDGETS).backward(trie, failing)
     assert max_rel_diff(grads(model), before) == 0.0
     set_grads(model, None)
+
+
+def test_router_counts_are_recovered_too():
+    from test_router_loss import moe_model
+
+    moe = moe_model(dtype=torch.float32)
+    trie = PrefixTrie.from_sequences(sequences(2))
+    ref = TreeExecutor(moe, **BUDGETS).router_stats(trie)
+    executor = TreeExecutor(moe, **BUDGETS)
+    with InjectOOM(moe.model.layers[0], 6) as oom:
+        got = executor.router_stats(trie)
+    assert oom.raised == 1 and executor.oom_recovery.retried == 1
+    assert got.layers == ref.layers and got.counts.keys() == ref.counts.keys()
+    for node in ref.counts:
+        assert torch.equal(got.counts[node], ref.counts[node])  # counted once, not twice
+        assert torch.allclose(got.probs[node], ref.probs[node], rtol=1e-5, atol=1e-6)
