@@ -146,7 +146,8 @@ def test_host_syncs_do_not_grow_with_calls(family):
         with SyncCounter() as syncs:
             executor.backward(trie, lambda i, lp, ent: lp.sum(), entropies=True)
             executor.logprobs(trie)
-        counts.append((executor.calls.forward + executor.calls.backward - before, syncs.total, dict(syncs.ops)))
+        calls = executor.calls.forward + executor.calls.backward - before
+        counts.append((calls, syncs.total, dict(syncs.ops)))
     (few_calls, few, _), (many_calls, many, ops) = counts
     assert many_calls > 3 * few_calls  # the check means something: many more calls
     assert many == few <= 4, ops  # per walk: the inputs' copy, and backward's summed loss

@@ -90,10 +90,11 @@ class TreeExecutor:
             batch.
         subtree_tokens: where leaves are packed, most tokens of a subtree (a node and all its descendants, or
             several sibling subtrees and leaves) forwarded whole in one packed row with a tree-shaped causal
-            mask and backpropagated in one call. Within the budgets, the device kind's cost model
-            (:mod:`trl_dta.walk.costs`, :attr:`call_cost`) decides which calls to merge: fewer calls against
-            the attention pairs a dense mask computes for nothing. 0: sibling leaves only. None: from
-            ``memory_budget``.
+            mask and backpropagated in one call. With budgets from memory, the device kind's cost model
+            (:mod:`trl_dta.walk.costs`; :attr:`call_cost` to set one) decides which calls to merge within
+            them: fewer calls against the attention pairs a dense mask computes for nothing. With the fixed
+            budgets, each leaf batch is filled to its budget and each subtree that fits is packed on its own
+            (the rule measured fastest on CPU). 0: sibling leaves only. None: from ``memory_budget``.
         gather_per_layer: for an FSDP2-sharded model whose gathered parameters do not fit: gather each decoder
             layer only for its own calls and reduce-scatter its gradients after each backward call, the calls
             of all ranks kept in lock-step (:mod:`trl_dta.walk.lockstep`), instead of gathering every unit
@@ -186,7 +187,9 @@ class TreeExecutor:
         budgets and the call cost model of its device and attention kernel; sets :attr:`budgets`."""
         self.budgets = budgets = self.token_budgets(trie, entropy_grad)
         subtree = budgets.subtree_tokens if self.pack_leaves else 0
-        costs = self.call_cost or CallCost.for_model(self.lm.config, self.device.type)
+        costs = self.call_cost
+        if costs is None and self._memory is not None:  # (fixed budgets: each leaf batch filled, as measured)
+            costs = CallCost.for_model(self.lm.config, self.device.type)
         return build_plan(
             trie, budgets.block_size, budgets.batch_tokens, self.pack_leaves, subtree, costs=costs
         )
