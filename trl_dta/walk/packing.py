@@ -29,7 +29,6 @@ def packed_mask(row: PackedRow, start: int, dtype) -> torch.Tensor:
     return mask[None, None]
 
 
-
 def packed_block_mask(row: PackedRow, start: int):
     """The same mask as a flex attention ``BlockMask`` (``attn_implementation="flex_attention"``): its
     ``mask_mod`` reads the row's index tensors, and flex attention computes only the 128 x 128 tiles that
