@@ -193,7 +193,7 @@ def auto_memory_bytes(model: torch.nn.Module, device: torch.device, fraction: fl
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # PyTorch's cache: free too
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # (its cache)
     later = 0
     for p in model.parameters():
         if p.requires_grad:
