@@ -53,12 +53,14 @@ def check_case(case: str, result: dict) -> None:
             assert walk["logp_error"] <= FP32
         counts = walk["counts"]
         if "per-layer" in case:
-            # every unit reduces after each backward through the model (dummies included), and each layer is
-            # gathered for every forward (counted at layer 0, dummies included) and every backward; the root
-            # once. The same on every rank, whatever its own number of steps.
-            backward, rest = divmod(counts["reduce_scatter"], trainable_units)
+            # every layer reduces after each backward through the model (dummies included), the root once at
+            # the end (LoRA: nothing to reduce there); each layer is gathered for every forward (counted at
+            # layer 0, dummies included) and every backward, the root once. The same on every rank, whatever
+            # its own number of steps.
+            layers = units - 1
+            backward, rest = divmod(counts["reduce_scatter"] - (trainable_units - layers), layers)
             assert rest == 0 and backward >= 2, walk  # (at least one real and the final flush)
-            assert counts["all_gather"] == 1 + (units - 1) * (counts["forward"] + backward), walk
+            assert counts["all_gather"] == 1 + layers * (counts["forward"] + backward), walk
             assert walk["logprob_counts"]["reduce_scatter"] == 0
         else:
             # one gather and one reduce-scatter per unit, whatever each rank's number of model calls

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..trie import PrefixTrie, TrieNode
+from . import deepspeed as zero
 from .checks import check_count
 from .errors import ArgumentTypeError, UnsupportedModelError
 from .flops import flops as count_flops
@@ -224,7 +225,10 @@ class TreeExecutor:
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
         model, lm = self.lm.model, self.lm
         agree_on(lm.check_sequences, trie, model)  # (sharded: every rank raises if one does)
-        sharded = gathered(model, grad, self.gather_per_layer, lm.decoder, lm.config.num_hidden_layers)
+        if zero.is_deepspeed(model):  # DeepSpeed ZeRO-2/3: gathered once, reduced once per step
+            sharded = zero.gathered(model, grad, self.gather_per_layer)
+        else:  # FSDP2 (or nothing to gather)
+            sharded = gathered(model, grad, self.gather_per_layer, lm.decoder, lm.config.num_hidden_layers)
         with lm.no_gradient_checkpointing(), sharded as lockstep:  # (its final reduction too)
             lm.check_model()
             seq_from, node_from = scored_from(trie, score_from)
