@@ -31,7 +31,13 @@ import torch.distributed as dist
 
 SETTINGS = dict(learning_rate=2.0, max_steps=2, num_iterations=2, gradient_accumulation_steps=2,
                 per_device_train_batch_size=2, max_grad_norm=1.0)  # fmt: skip
-VARIANTS = {"plain": {}, "kl": {"beta": 0.1}, "lora": {}, "save": {}, "resume": {"num_iterations": 1}}
+VARIANTS = {
+    "plain": {},
+    "kl": {"beta": 0.1},
+    "lora": {},
+    "save": {},
+    "resume": {"num_iterations": 1, "optim_args": "momentum=0.9"},
+}
 ZERO = {
     "train_micro_batch_size_per_gpu": "auto",
     "gradient_accumulation_steps": "auto",
@@ -171,6 +177,7 @@ def trainer_for(mode, variant, model_dir, out):
     tree = mode != "stock"
     if tree:  # a new trainer in this process: its accelerator configures DeepSpeed / FSDP anew
         AcceleratorState._reset_state(reset_partial_state=False)
+        state_for(mode)  # (the shared state: FSDP2 needs MULTI_GPU again, which the last one made FSDP)
     cls = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {}) if tree else ScriptedGRPOTrainer
     config = config_for(mode, variant, out, tree)
     model, peft_config = model_for(model_dir, variant)
@@ -266,6 +273,7 @@ def describe_sharding(trainer) -> dict:
             hasattr(p, "ds_id") and p.data.numel() < p.ds_numel for p in model.parameters()
         ),
         "engine": type(trainer.model_wrapped).__name__,
+        "parameters": sum(1 for _ in model.parameters()),
     }
     if trainer.ref_model is not None:
         ref = trainer.accelerator.unwrap_model(trainer.ref_model)

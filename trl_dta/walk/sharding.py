@@ -32,6 +32,9 @@ has none) and gathers a layer whose gradients arrive through its K/V or states. 
 per forward and per backward call (dummies included), and one reduce-scatter per backward call; per unit of
 the root's set: one all-gather and one reduce-scatter per walk.
 
+A model sharded as one unit (TRL's ``prepare_fsdp`` shards the reference model so) has no layer to gather
+on its own: its no-gradient walks gather it whole in either mode, as its own forward does in stock TRL.
+
 Parameters no rank used in a walk (MoE experts no token picked) are reduce-scattered as zeros, so ranks
 never disagree on what to reduce; their ``.grad`` is zero, not None. A walk inside a walk of the same model
 (a loss that walks another trie) runs inside the outer one's gather (gather-once mode only), and its
@@ -151,6 +154,8 @@ def gathered(model: nn.Module, grad: bool, per_layer: bool = False, decoder=None
     # real root must claim it first
     top._get_fsdp_state()._lazy_init()
     layers = _layer_units(decoder, num_layers) if per_layer else []
+    if per_layer and not grad and not any(layers):  # sharded as one unit, as TRL shards its reference model:
+        per_layer = False  # gathered whole for a no-gradient walk, as its own forward would gather it
     if per_layer:
         _check_per_layer(units, layers, _decoder_layers(decoder, num_layers))
     saved = [(u, _flags(u), list(u._get_fsdp_state()._states_to_backward_prefetch)) for u in units]
