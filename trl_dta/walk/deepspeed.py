@@ -133,7 +133,8 @@ class step_reduction(contextlib.AbstractContextManager):
             self._block.__exit__(None, None, None)  # the flush (of nothing if the gradients were dropped)
         finally:
             _OPEN.pop(id(self.engine), None)
-            _FLUSHED[id(self.engine)] = self.engine.global_steps
+            if exc[0] is None:  # (an aborted block reduced nothing: another may follow before the step)
+                _FLUSHED[id(self.engine)] = self.engine.global_steps
         return False
 
     def abort(self) -> None:
