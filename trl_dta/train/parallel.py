@@ -26,6 +26,7 @@ import contextlib
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
+from ..trie import PrefixTrie
 from ..walk import deepspeed as zero
 from ..walk.sharding import fsdp_units
 from . import distributed
@@ -160,3 +161,16 @@ class StepFlow:
         if not hasattr(engine, "coalesce_grad_reduction"):
             raise RuntimeError("under DeepSpeed the trainer's model_wrapped should be a DeepSpeed engine.")
         return engine
+
+
+def idle_walks(executor, no_grad_passes: int, training: bool) -> None:
+    """A rank with nothing to walk (every row masked) on a sharded model makes the walks the other ranks make
+    (``no_grad_passes`` no-gradient passes, for the entropy quantile and the MoE router counts, then the walk
+    itself), on a two-token trie with a zero loss, so that every rank's collectives match."""
+    idle = PrefixTrie.from_sequences([[0, 1]])
+    for _ in range(no_grad_passes):
+        executor.logprobs(idle)
+    if training:
+        executor.backward(idle, lambda i, logps, entropies: logps.sum() * 0.0)
+    else:
+        executor.logprobs(idle)

@@ -45,9 +45,9 @@ from ..walk.executor import TreeExecutor
 from . import distributed
 from .config import TreePPOConfig
 from .gradient_check import GradientCheck
-from .load_balancing import load_balancing_loss, node_weights
+from .load_balancing import step_router_grad
 from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
-from .parallel import StepFlow, check_distributed
+from .parallel import StepFlow, check_distributed, idle_walks
 from .rows import concat_batches, take_rows
 from .step import StepLosses, Walked, build_trie, scatter
 
@@ -287,8 +287,10 @@ class TreePPOTrainer(GRPOTrainer):
         started = time.perf_counter()
         trie, owners = build_trie(batches, keep_prompt_only=self.aux_loss_enabled)
         if trie is None and self._flow.needs_idle_walks(self.accelerator.unwrap_model(model)):
+            passes = int(self.top_entropy_quantile < 1.0) + int(self.aux_loss_enabled)  # (no-grad ones first)
             with self._flow.gradient_walk(model) if training else contextlib.nullcontext():
-                self._idle_walks(model, training)  # the other ranks' walks gather and reduce: take part
+                with self.accelerator.autocast():  # the other ranks' walks gather and reduce: take part
+                    idle_walks(self._executor(model), passes, training)
         executor = self._executor(model) if trie is not None else None
         calls = dataclasses.replace(executor.calls) if executor is not None else None
         quantile = self._step_entropies(executor, trie, owners, batches)
@@ -303,7 +305,10 @@ class TreePPOTrainer(GRPOTrainer):
             with self.accelerator.autocast():
                 router_grad = None
                 if self.aux_loss_enabled:  # MoE: TRL's load-balancing loss, exactly (load_balancing.py)
-                    router_grad = self._router_grad(executor, trie, owners, training, auxes, aux_terms)
+                    coef = self.router_aux_loss_coef / (
+                        self.current_gradient_accumulation_steps if training else 1
+                    )
+                    router_grad = step_router_grad(executor, trie, owners, coef, auxes, aux_terms)
                 if training:
                     with self._flow.gradient_walk(model):  # (DeepSpeed: inside the step's reduction)
                         executor.backward(
@@ -323,19 +328,6 @@ class TreePPOTrainer(GRPOTrainer):
                 torch.zeros((), device=batches[0]["completion_ids"].device) if a is None else a for a in auxes
             ]
         return losses.results(auxes, aux_terms)
-
-    def _idle_walks(self, model, training: bool) -> None:
-        """A rank with nothing to walk (every row masked) on a sharded model makes the walks the other ranks
-        make, on a two-token trie with a zero loss, so that FSDP2's collectives match on every rank."""
-        executor = self._executor(model)
-        idle = PrefixTrie.from_sequences([[0, 1]])
-        with self.accelerator.autocast():
-            for _ in range(int(self.top_entropy_quantile < 1.0) + int(self.aux_loss_enabled)):
-                executor.logprobs(idle)  # (the entropies pass, the router counting pass)
-            if training:
-                executor.backward(idle, lambda i, logps, entropies: logps.sum() * 0.0)
-            else:
-                executor.logprobs(idle)
 
     def _step_entropies(self, executor, trie, owners, batches) -> list[torch.Tensor] | None:
         """``top_entropy_quantile`` couples a micro-batch's rows through their entropies: one no-grad pass
@@ -363,22 +355,6 @@ class TreePPOTrainer(GRPOTrainer):
         metrics["tree/calls"].append(float(forward + backward))
         metrics["tree/tokens_per_call"].append((executor.calls.tokens - before.tokens) / max(forward, 1))
         metrics["tree/time"].append(seconds)
-
-    def _router_grad(self, executor, trie, owners, training, auxes, aux_terms):
-        """Each micro-batch's load-balancing loss (into ``auxes``, times its coefficient into ``aux_terms``)
-        and the summed per-node vectors the walk backpropagates."""
-        stats = executor.router_stats(trie)
-        scale = self.router_aux_loss_coef / (self.current_gradient_accumulation_steps if training else 1)
-        router_grad = {}
-        for b in range(len(auxes)):
-            weights = node_weights(trie, [k for k, owner in enumerate(owners) if owner.batch == b])
-            if not weights:
-                continue
-            auxes[b], v = load_balancing_loss(stats, weights, executor.lm.num_experts)
-            aux_terms[b] = scale * float(auxes[b])
-            for node, x in v.items():
-                router_grad[node] = router_grad.get(node, 0) + scale * x
-        return router_grad
 
     def _trl_loss(self, inputs, walked: Walked) -> torch.Tensor:
         """TRL's own loss of the micro-batch on the walk's values (its metrics and state), checked against the
