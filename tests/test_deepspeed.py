@@ -157,3 +157,36 @@ def test_zero3_without_an_engine_and_per_layer_under_zero3_are_refused():
     ):
         with zero.gathered(model, grad=False, per_layer=True):
             pass
+
+
+@pytest.mark.slow
+def test_deepspeed_executor_two_processes(tmp_path):
+    """Real ZeRO-2 and ZeRO-3 engines (deepspeed.initialize) on 2 gloo processes, ranks walking different
+    tries (one rank idle in two cases), two walks per step in one step_reduction (tests/deepspeed_worker.py)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "deepspeed.json"
+    cases = ["zero2", "zero3", "zero3-lora", "zero2-idle-rank", "zero3-idle-rank"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    worker = Path(__file__).with_name("deepspeed_worker.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(worker), str(out), *cases]  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert got["world"] == 2
+    for case in cases:
+        run = got["cases"][case]
+        zero3 = case.startswith("zero3")
+        for step in run["steps"]:
+            assert not step["missing"] and step["grad_error"] <= 1e-5, (case, step)  # fp32, as for FSDP2
+            for walk in step["walks"]:  # nothing reduced inside a walk; ZeRO-3: every parameter gathered once
+                assert walk == ({"all_gather_into_tensor": run["parameters"]} if zero3 else {}), (case, step)
+            assert step["logprobs"] == ({"all_gather_into_tensor": run["parameters"]} if zero3 else {})
+            assert sum(step["flush"].values()) == 1, (case, step)  # one flush: one bucket, the tiny model
+        if case.endswith("idle-rank"):
+            assert run["steps"][0]["sequences"] > 0  # (rank 0 walks; the last rank walks the idle trie)
