@@ -162,7 +162,8 @@ def test_zero3_without_an_engine_and_per_layer_under_zero3_are_refused():
 @pytest.mark.slow
 def test_deepspeed_executor_two_processes(tmp_path):
     """Real ZeRO-2 and ZeRO-3 engines (deepspeed.initialize) on 2 gloo processes, ranks walking different
-    tries (one rank idle in two cases), two walks per step in one step_reduction (tests/deepspeed_worker.py)."""
+    tries (one rank idle in two cases), two walks per step in one step_reduction
+    (tests/deepspeed_worker.py)."""
     import json
     import os
     import subprocess
