@@ -2,14 +2,11 @@
 tests/test_accelerate_sharded.py with torchrun; or, with MODE ``stock``, one process of stock GRPOTrainer).
 
 accelerate does not turn DeepSpeed or FSDP on without GPUs. As a *test device* (not a user setting), this
-worker creates the process state itself before the trainer, with a gloo backend:
-``PartialState(backend="gloo")``, and the trainer reuses it (``use_cpu=False``,
-``accelerator_config={"use_configured_state": True}``). For DeepSpeed, ``ACCELERATE_USE_DEEPSPEED=true``
-makes that state DeepSpeed's (its CPU accelerator falls back to gloo); for FSDP2,
-``state.distributed_type = DistributedType.MULTI_GPU`` lets accelerate turn it into FSDP (the device stays
-CPU). From there on everything is accelerate's, TRL's and DeepSpeed's own code:
-``deepspeed.initialize`` or ``fsdp2_prepare_model`` (``fully_shard`` of the root, embeddings, each layer, the
-norm and the LM head), TRL's reference-model preparation, saving and checkpointing.
+worker creates the process state itself before the trainer, with a gloo backend, and the trainer reuses it
+(trl_dta/testing/cpu_distributed.py says how). From there on everything is accelerate's, TRL's and
+DeepSpeed's own code: ``deepspeed.initialize`` or ``fsdp2_prepare_model`` (``fully_shard`` of the root,
+embeddings, each layer, the norm and the LM head), TRL's reference-model preparation, saving and
+checkpointing.
 
 Usage: torchrun --nproc_per_node 2 tests/accelerate_worker.py OUT_DIR MODEL_DIR MODE VARIANT...
   MODE: stock (1 process, the whole global batch), zero2, zero3, fsdp2, fsdp2-per-layer, ddp
@@ -24,10 +21,11 @@ from __future__ import annotations
 import glob
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from trl_dta.testing.cpu_distributed import process_state, trainer_settings
 
 SETTINGS = dict(learning_rate=2.0, max_steps=2, num_iterations=2, gradient_accumulation_steps=2,
                 per_device_train_batch_size=2, max_grad_norm=1.0)  # fmt: skip
@@ -38,26 +36,6 @@ VARIANTS = {
     "save": {},
     "resume": {"num_iterations": 1, "optim_args": "momentum=0.9"},
 }
-ZERO = {
-    "train_micro_batch_size_per_gpu": "auto",
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "bf16": {"enabled": False},
-    "fp16": {"enabled": False},
-}
-
-
-def deepspeed_config(stage: int) -> dict:
-    zero = {"stage": stage}
-    if stage == 3:  # a tiny model partitions only with a zero persistence threshold
-        zero |= {"stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True}
-    return {**ZERO, "zero_optimization": zero}
-
-
-FSDP2 = {"fsdp_version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True,
-         "state_dict_type": "FULL_STATE_DICT", "cpu_ram_efficient_loading": False}  # fmt: skip
-
-
 # ------------------------------------------------------------------------------------------------ counting
 COUNTS: dict[str, int] = {}
 PHASES: list[tuple[str, dict]] = []  # (walk-grad | walk-no-grad | flush, its collectives) in this step
@@ -120,18 +98,9 @@ def _count_collectives() -> None:
 
 # ------------------------------------------------------------------------------------------------ setup
 def state_for(mode: str):
-    """The process state the trainer will reuse (module docstring). None: stock, one plain process."""
-    if mode == "stock":
-        return None
-    from accelerate import PartialState
-    from accelerate.utils import DistributedType
-
-    if mode.startswith("zero"):
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-    state = PartialState(backend="gloo")
-    if mode.startswith("fsdp2"):
-        state.distributed_type = DistributedType.MULTI_GPU
-    return state
+    """The process state the trainer will reuse (trl_dta/testing/cpu_distributed.py); None: stock, one plain
+    process."""
+    return None if mode == "stock" else process_state(mode)
 
 
 def config_for(mode: str, variant: str, out: str, tree: bool):
@@ -144,13 +113,7 @@ def config_for(mode: str, variant: str, out: str, tree: bool):
     if mode == "stock":  # one process sees the whole global batch
         settings["per_device_train_batch_size"] *= 2
     else:
-        settings |= {"use_cpu": mode == "ddp", "accelerator_config": {"use_configured_state": True}}
-    if mode.startswith("zero"):
-        settings["deepspeed"] = deepspeed_config(int(mode[-1]))
-    if mode.startswith("fsdp2"):
-        settings |= {"fsdp": "full_shard", "fsdp_config": dict(FSDP2)}
-    if mode == "fsdp2-per-layer":
-        settings["tree_gather_per_layer"] = True
+        settings |= trainer_settings(mode)
     if variant == "resume":
         settings |= {"save_strategy": "steps", "save_steps": 1, "save_only_model": False}
     return make_config(out, config_cls=TreePPOConfig if tree else GRPOConfig, **settings)
@@ -169,15 +132,12 @@ def model_for(model_dir: str, variant: str):
 
 
 def trainer_for(mode, variant, model_dir, out):
-    from accelerate.state import AcceleratorState
-
     from trl_dta import TreePPOTrainer
     from trl_dta.testing.grpo import ScriptedGenerationMixin, ScriptedGRPOTrainer, make_trainer
 
     tree = mode != "stock"
     if tree:  # a new trainer in this process: its accelerator configures DeepSpeed / FSDP anew
-        AcceleratorState._reset_state(reset_partial_state=False)
-        state_for(mode)  # (the shared state: FSDP2 needs MULTI_GPU again, which the last one made FSDP)
+        state_for(mode)
     cls = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {}) if tree else ScriptedGRPOTrainer
     config = config_for(mode, variant, out, tree)
     model, peft_config = model_for(model_dir, variant)
@@ -287,14 +247,14 @@ def describe_sharding(trainer) -> dict:
 
 def main(out_dir, model_dir, mode, *variants):
     torch.set_num_threads(1)
-    state = state_for(mode)
+    state_for(mode)
     _count_collectives()
-    rank = state.process_index if state is not None else 0
+    rank = int(os.environ.get("RANK", 0))
     for variant in variants:
         result = run(mode, variant, model_dir, out_dir)
         if rank == 0:
             torch.save(result, os.path.join(out_dir, f"{mode}-{variant}.pt"))
-    if state is not None:
+    if mode != "stock":
         dist.barrier()
         sys.stdout.flush()
         os._exit(
@@ -303,5 +263,4 @@ def main(out_dir, model_dir, mode, *variants):
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     main(*sys.argv[1:])
