@@ -18,7 +18,7 @@
 #      tries, plus the executor's chunked-backward and unpacked-leaves paths; fails the script on a mismatch;
 #   4. FSDP2 smoke test: `fsdp2_smoke.py`, gather-once and per-layer (world size 1, fp32: the walk on a
 #      fully_shard-ed model against dense gradients, FSDP2's gathers and reductions per walk, the walk's CUDA
-#      peak against the README's memory model); ~1 min; fails the script on a mismatch;
+#      peak against docs/multi-process.md's memory model); ~1 min; fails the script on a mismatch;
 #   5. the GPU plan on paper: `launch_model.py` (kernels and FLOPs per step, walk vs dense, for Qwen3-1.7B on
 #      the tau2-2x8-10k shape: the predicted speedup the benchmark's tau2 row then checks); ~2 min on CPU;
 #   6. benchmark: `peers.py --profile gpu` (Qwen3-0.6B then 1.7B shapes, random weights, bf16, sdpa and

@@ -59,7 +59,8 @@ class TreeExecutor:
     Args:
         model: a ``transformers`` causal LM that takes a KV cache (see docs/supported-models.md), plain or
             PEFT (LoRA) wrapped, whole or sharded with FSDP2 (``fully_shard``: each walk gathers every unit
-            once and reduce-scatters the gradients once, :mod:`trl_dta.walk.sharding`). Randomness must be
+            once and reduce-scatters the gradients once, :mod:`trl_dta.walk.sharding`), or the module of a
+            DeepSpeed ZeRO-2/3 engine (registered first: :mod:`trl_dta.walk.deepspeed`). Randomness must be
             off while it trains (checked at each call: :mod:`trl_dta.walk.determinism`). Models the walk
             cannot compute exactly raise :class:`~trl_dta.UnsupportedModelError`.
         block_size: most tokens forwarded with an autograd graph kept on the stack, and longest segment. Paths
@@ -81,7 +82,8 @@ class TreeExecutor:
         gather_per_layer: for an FSDP2-sharded model whose gathered parameters do not fit: gather each decoder
             layer only for its own calls and reduce-scatter its gradients after each backward call, the calls
             of all ranks kept in lock-step (:mod:`trl_dta.walk.lockstep`), instead of gathering every unit
-            once per walk. Slower: see the README's memory model. Ignored for an unsharded model.
+            once per walk. Slower: see docs/multi-process.md's memory model. Ignored for an unsharded model; refused
+            under DeepSpeed ZeRO-3 (:mod:`trl_dta.walk.deepspeed`).
 
     Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
     HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
