@@ -82,8 +82,8 @@ class TreeExecutor:
         gather_per_layer: for an FSDP2-sharded model whose gathered parameters do not fit: gather each decoder
             layer only for its own calls and reduce-scatter its gradients after each backward call, the calls
             of all ranks kept in lock-step (:mod:`trl_dta.walk.lockstep`), instead of gathering every unit
-            once per walk. Slower: see docs/multi-process.md's memory model. Ignored for an unsharded model; refused
-            under DeepSpeed ZeRO-3 (:mod:`trl_dta.walk.deepspeed`).
+            once per walk. Slower: see docs/multi-process.md's memory model. Ignored for an unsharded
+            model; refused under DeepSpeed ZeRO-3 (:mod:`trl_dta.walk.deepspeed`).
 
     Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
     HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
