@@ -85,9 +85,10 @@ class TreePPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         a = self.args
         self._tree_options = {
-            "block_size": getattr(a, "tree_block_size", TreePPOConfig.tree_block_size),
+            "block_size": getattr(a, "tree_block_size", None),
             "batch_tokens": getattr(a, "tree_batch_tokens", None),
-            "subtree_tokens": getattr(a, "tree_subtree_tokens", TreePPOConfig.tree_subtree_tokens),
+            "subtree_tokens": getattr(a, "tree_subtree_tokens", None),
+            "memory_budget": getattr(a, "tree_memory_budget", TreePPOConfig.tree_memory_budget),
             "lm_head_fp32": a.cast_lm_head_to_fp32,
             "gather_per_layer": getattr(a, "tree_gather_per_layer", False),
         }
@@ -313,7 +314,7 @@ class TreePPOTrainer(GRPOTrainer):
                     with self._flow.gradient_walk(model):  # (DeepSpeed: inside the step's reduction)
                         executor.backward(
                             trie, losses, self.temperature, entropies=True, router_grad=router_grad,
-                            score_from=score_from,
+                            score_from=score_from, entropy_grad=self._entropy_bonus_enabled,
                         )  # fmt: skip
                 else:
                     lps, ents = executor.logprobs(
@@ -355,6 +356,8 @@ class TreePPOTrainer(GRPOTrainer):
         metrics["tree/calls"].append(float(forward + backward))
         metrics["tree/tokens_per_call"].append((executor.calls.tokens - before.tokens) / max(forward, 1))
         metrics["tree/time"].append(seconds)
+        for name, value in vars(executor.budgets).items():  # the budgets in use (memory-derived or given)
+            metrics[f"tree/{name}"].append(float(value))
 
     def _trl_loss(self, inputs, walked: Walked) -> torch.Tensor:
         """TRL's own loss of the micro-batch on the walk's values (its metrics and state), checked against the
