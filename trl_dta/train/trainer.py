@@ -115,6 +115,8 @@ class TreePPOTrainer(GRPOTrainer):
         self._multi_process = self.accelerator.num_processes > 1
         if self._multi_process and self._tree_check:
             raise ValueError("tree_check_gradients runs on a single process only.")
+        if self._flow.deepspeed and self._tree_check:  # (DeepSpeed's hooks would reduce its dense backward)
+            raise ValueError("tree_check_gradients is not supported under DeepSpeed; check without it.")
         # Re-partition the global batch in lexicographic runs, unless the loss has per-micro-batch statistics
         # (bnpo, top_entropy_quantile, entropy bonus): those keep TRL's per-rank batches.
         self._repartition = self._multi_process and not (
