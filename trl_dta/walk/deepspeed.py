@@ -27,9 +27,10 @@ outer one's gather (a gradient walk inside a no-gradient one is refused); a fail
 releases the parameters and drops its gradients, and the trainer makes a rank with nothing to walk take
 part in the others' collectives.
 
-Per walk and rank: ZeRO-3, one all-gather of the parameters (``GatheredParameters`` gathers them in one
-coalesced call per process group) and nothing else; ZeRO-2, nothing. Per optimizer step: one flush, one
-reduce (ZeRO-2) or reduce-scatter (ZeRO-3) per gradient bucket (``reduce_bucket_size``).
+Per walk and rank: ZeRO-3, one all-gather per parameter tensor, all issued by one ``GatheredParameters``
+(coalesced into one launch where the backend supports it; one call each on gloo), and nothing else; ZeRO-2,
+nothing. Per optimizer step: one flush, one reduction (ZeRO-2) or reduce-scatter (ZeRO-3) per gradient
+bucket (``reduce_bucket_size``). (Besides, every walk's sequence check makes one all-reduce.)
 
 Not supported (refused with a reason): ZeRO stages 0 and 1 (untested), fp16 (loss scaling), parameter or
 optimizer offload (untested), and ``gather_per_layer`` under ZeRO-3 (DeepSpeed has no public
