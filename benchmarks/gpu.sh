@@ -100,6 +100,9 @@ if [ $DRY = 1 ]; then
         "$PY" benchmarks/fsdp2_smoke.py --device cpu --hidden 256 --layers 4 $mode --out "$OUT_DIR" 2>&1 \
             | tee -a "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 15
     done
+    echo "== soak on CPU (optional: benchmarks/soak.py --mode executor, 20 steps)"
+    "$PY" benchmarks/soak.py --mode executor --device cpu --steps 20 --every 5 --warmup 5 --oom_at 8 --hidden 64 \
+        --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/soak.log" | grep -v -i warn | tail -n 3 || echo "soak: failed (not fatal)"
     echo "== launch model on CPU (lengths x 1/8)"
     "$PY" benchmarks/launch_model.py --scale 0.125 --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/launch_model.log" \
         | grep -v -i warn | tail -n 2
@@ -129,6 +132,14 @@ for mode in "" --per_layer; do
     timeout 120 "$PY" benchmarks/fsdp2_smoke.py --device cuda --hidden 2048 --layers 8 $mode --out "$OUT_DIR" \
         2>&1 | tee -a "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 15 || fsdp_rc=$?
 done
+
+# ---- optional: soak (benchmarks/soak.py --mode executor: 200 walks + SGD steps on tries of changing shapes, an
+# injected out-of-memory retry at step 60; CUDA allocated / max allocated / reserved every 10 steps, in
+# soak_executor.json and soak_executor.png); ~1 min; a failure is reported, not fatal
+echo "== soak, cuda (optional)"
+timeout 150 "$PY" benchmarks/soak.py --mode executor --device cuda --steps 200 --oom_at 60 --hidden 1024 \
+    --out "$OUT_DIR" --plot "$OUT_DIR/soak_executor.png" 2>&1 | tee "$OUT_DIR/soak.log" | grep -v -i warn \
+    | tail -n 3 || echo "soak: failed (not fatal)"
 
 # ---- 5. the GPU plan on paper (CPU-side counts; the benchmark's tau2 row measures what it predicts)
 echo "== launch model (kernels and FLOPs per step, Qwen3-1.7B, tau2-2x8-10k)"

@@ -55,6 +55,13 @@ class TreePPOConfig(GRPOConfig):
             call, all ranks' calls kept in lock-step: one layer's parameters and gradients at a time, for
             models that do not fit otherwise, at the cost of a gather per layer and call (README, "Multi-GPU
             and sharded training").
+        tree_oom_retries (`int`, defaults to 3):
+            A walk that runs out of memory (`torch.OutOfMemoryError`) discards the gradients it added, halves
+            the token budgets it used (given, or derived from `tree_memory_budget`) and walks the step's trie
+            again, up to this many times; then it raises, naming the budgets and the step's longest path.
+            The smaller budgets stay, and double back after 100 optimizer steps without running out (then
+            derived from `tree_memory_budget` again, where they were). Retries are logged as
+            `tree/oom_retries`. 0 turns it off (docs/memory.md, "Running out of memory").
         tree_check_gradients (`bool`, defaults to `False`):
             On the first optimizer step, also compute its gradients the dense TRL way (each of its
             micro-batches) and raise if the tree walk's gradients differ (relative tolerance
@@ -94,6 +101,9 @@ class TreePPOConfig(GRPOConfig):
         default=False,
         metadata={"help": "FSDP2: gather each decoder layer per call (memory) instead of once per step."},
     )
+    tree_oom_retries: int = field(
+        default=3, metadata={"help": "Out of memory: walk again, budgets halved, this many times (0: off)."}
+    )
     tree_check_gradients: bool = field(
         default=False,
         metadata={"help": "Compare the first step's gradients with the dense path; raise if off."},
@@ -118,3 +128,4 @@ class TreePPOConfig(GRPOConfig):
             check_count("tree_batch_tokens", self.tree_batch_tokens)
         if self.tree_subtree_tokens is not None:
             check_count("tree_subtree_tokens", self.tree_subtree_tokens)
+        check_count("tree_oom_retries", self.tree_oom_retries)

@@ -49,7 +49,7 @@ from .load_balancing import step_router_grad
 from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
 from .parallel import StepFlow, check_distributed, idle_walks
 from .rows import concat_batches, take_rows
-from .step import StepLosses, Walked, build_trie, scatter
+from .step import StepLosses, Walked, build_trie, scatter, take_oom_retries
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ class TreePPOTrainer(GRPOTrainer):
             "memory_budget": getattr(a, "tree_memory_budget", TreePPOConfig.tree_memory_budget),
             "lm_head_fp32": a.cast_lm_head_to_fp32,
             "gather_per_layer": getattr(a, "tree_gather_per_layer", False),
+            "oom_retries": getattr(a, "tree_oom_retries", TreePPOConfig.tree_oom_retries),
         }
         self._tree_check = getattr(a, "tree_check_gradients", False)
         self._tree_check_tolerance = getattr(a, "tree_check_tolerance", TreePPOConfig.tree_check_tolerance)
@@ -326,6 +327,8 @@ class TreePPOTrainer(GRPOTrainer):
                         losses(k, lp, ent)
             seconds = time.perf_counter() - started
             self._log_trie(trie, "train" if training else "eval", seconds, executor, calls, score_from)
+            retries = sum(take_oom_retries(e) for e in self._executors.values())  # (all passes, since last)
+            self._metrics["train" if training else "eval"]["tree/oom_retries"].append(float(retries))
         if self.aux_loss_enabled:
             auxes = [
                 torch.zeros((), device=batches[0]["completion_ids"].device) if a is None else a for a in auxes

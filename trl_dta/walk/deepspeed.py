@@ -23,14 +23,17 @@ one walk:
 
 As under FSDP2: parameters a rank did not use in a gradient walk (MoE experts no token picked) get zero
 gradients, so every rank reduces the same tensors; a walk inside a walk of the same model runs inside the
-outer one's gather (a gradient walk inside a no-gradient one is refused); a failed walk restores the hooks,
-releases the parameters and drops its gradients, and the trainer makes a rank with nothing to walk take
-part in the others' collectives.
+outer one's gather (a gradient walk inside a no-gradient one is refused); across ranks every walk ends with
+the ranks agreeing on its outcome (:func:`~trl_dta.walk.sharding.agree_on_outcome`: if one rank ran out of
+memory, every rank raises and :mod:`trl_dta.walk.recovery` walks again on all of them); a failed walk
+restores the hooks, releases the parameters and drops its gradients, and the trainer makes a rank with
+nothing to walk take part in the others' collectives.
 
 Per walk and rank: ZeRO-3, one all-gather per parameter tensor, all issued by one ``GatheredParameters``
 (coalesced into one launch where the backend supports it; one call each on gloo), and nothing else; ZeRO-2,
 nothing. Per optimizer step: one flush, one reduction (ZeRO-2) or reduce-scatter (ZeRO-3) per gradient
-bucket (``reduce_bucket_size``). (Besides, every walk's sequence check makes one all-reduce.)
+bucket (``reduce_bucket_size``). (Besides, across ranks every walk makes two all-reduces of one number: the
+sequence check before it and the outcome after it.)
 
 Not supported (refused with a reason): ZeRO stages 0 and 1 (untested), fp16 (loss scaling), parameter or
 optimizer offload (untested), and ``gather_per_layer`` under ZeRO-3 (DeepSpeed has no public
@@ -181,7 +184,15 @@ def gathered(model: nn.Module, grad: bool, per_layer: bool = False):
             if zero3:
                 stack.enter_context(_hooks_suspended(engine))
                 stack.enter_context(_gathered_parameters(model))
-            yield Lockstep()
+            agree = _world_size() > 1  # the ranks agree on how the walk ended (OOM recovery walks again)
+            try:
+                yield Lockstep()
+            except BaseException as e:
+                if agree:
+                    _agree_on_outcome(model, e)  # (raises: this rank's error, or the peer's)
+                raise
+            if agree:
+                _agree_on_outcome(model, None)
             if grad:  # (while gathered: full-size zeros)
                 _zero_unused(model)
     except BaseException:
@@ -198,6 +209,18 @@ def gathered_for_check(model: nn.Module):
     if id(model) in _ACTIVE or not is_zero3(model):
         return contextlib.nullcontext()
     return gathered(model, grad=False)
+
+
+def _world_size() -> int:
+    from .sharding import world_size
+
+    return world_size()
+
+
+def _agree_on_outcome(model: nn.Module, error: BaseException | None) -> None:
+    from .sharding import agree_on_outcome  # (sharding imports this module)
+
+    agree_on_outcome(model, error)
 
 
 def _gathered_parameters(model: nn.Module):

@@ -33,6 +33,7 @@ import logging
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -50,6 +51,7 @@ from .inputs import WalkInputs
 from .model import CausalLM
 from .path_kv import PathKV
 from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, build_plan
+from .recovery import RETRIES, OOMRecovery
 from .router import RouterGrad, RouterStats, route
 from .scoring import path_scores, score_rows, scored_from
 from .sharding import agree_on, fsdp_units, gathered
@@ -63,6 +65,7 @@ def _count_or_none(name: str, value, minimum: int = 0):
 
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+T = TypeVar("T")
 
 
 class TreeExecutor:
@@ -105,6 +108,10 @@ class TreeExecutor:
             memory at the first walk less the first optimizer step's gradients and Adam states; elsewhere,
             and with None, the fixed budgets measured fastest on CPU (:data:`~trl_dta.walk.budgets.FIXED`).
             The LM head scores at most ``HEAD_ROWS`` positions at once.
+        oom_retries: a walk that runs out of memory (``torch.OutOfMemoryError``, ``MemoryError``) is walked
+            again with every budget it used halved, up to this many times, its partial gradients discarded;
+            the smaller budgets stay for later walks and grow back after a while
+            (:mod:`trl_dta.walk.recovery`, ``oom_recovery``). 0: an out-of-memory error is raised as it is.
 
     Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
     HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
@@ -120,6 +127,7 @@ class TreeExecutor:
         subtree_tokens: int | None = None,
         gather_per_layer: bool = False,
         memory_budget: float | str | None = "auto",
+        oom_retries: int = RETRIES,
     ):
         # budgets given by hand (None: from memory_budget, see token_budgets)
         self.block_size = _count_or_none("block_size", block_size, minimum=1)
@@ -134,6 +142,7 @@ class TreeExecutor:
         # which calls to merge: the device kind's cost model unless set (:mod:`trl_dta.walk.costs`)
         self.call_cost: CallCost | None = None
         self._memory: float | None = None  # memory_budget in bytes, once known ("auto": at the first walk)
+        self.oom_recovery = OOMRecovery(oom_retries) if check_count("oom_retries", oom_retries) else None
 
     @property
     def pack_leaves(self) -> bool:
@@ -183,7 +192,7 @@ class TreeExecutor:
         subtree = budgets.subtree_tokens if self.pack_leaves else 0
         costs = self.call_cost
         if costs is None and self._memory is not None:  # (fixed budgets: each leaf batch filled, as measured)
-            costs = CallCost.for_model(self.lm.config, self.device.type)
+            costs = CallCost.for_model(self.lm.config, self.device.type, self.lm.block_sparse)
         return build_plan(
             trie, budgets.block_size, budgets.batch_tokens, self.pack_leaves, subtree, costs=costs
         )
@@ -208,7 +217,10 @@ class TreeExecutor:
         def record(index, lp, ent):
             logps[index], ents[index] = lp, ent
 
-        self._walk(trie, temperature, entropies, record, grad=False, score_from=score_from)
+        self._recovered(
+            lambda: self._walk(trie, temperature, entropies, record, grad=False, score_from=score_from),
+            trie, grad=False,
+        )  # fmt: skip
         return (logps, ents) if entropies else logps
 
     def flops(self, trie: PrefixTrie, score_from: Sequence[int] | None = None) -> tuple[float, float]:
@@ -222,9 +234,13 @@ class TreeExecutor:
         experts each token's router picks and sums its router probabilities (:class:`RouterStats`)."""
         if not self.lm.is_moe:
             raise ValueError(f"{self.lm.name} has no MoE router.")
-        stats = RouterStats({}, {}, 0)
-        self._walk(trie, 1.0, False, lambda *a: None, grad=False, router=stats, scoring=False)
-        return stats
+
+        def walk() -> RouterStats:
+            stats = RouterStats({}, {}, 0)  # (a fresh count for each attempt)
+            self._walk(trie, 1.0, False, lambda *a: None, grad=False, router=stats, scoring=False)
+            return stats
+
+        return self._recovered(walk, trie, grad=False)
 
     def backward(
         self,
@@ -281,11 +297,24 @@ class TreeExecutor:
             total.append(loss.detach())
             return loss
 
-        self._walk(
-            trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from,
-            entropy_grad=entropy_grad,
-        )  # fmt: skip
+        def walk() -> None:
+            total.clear()  # (a retried walk scores every sequence again)
+            self._walk(
+                trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from,
+                entropy_grad=entropy_grad,
+            )  # fmt: skip
+
+        self._recovered(walk, trie, grad=True, entropy_grad=entropies and entropy_grad)
         return float(sum(t.detach().double() for t in total)) if total else 0.0
+
+    def _recovered(
+        self, walk: Callable[[], T], trie: PrefixTrie, grad: bool, entropy_grad: bool = False
+    ) -> T:
+        """Run ``walk()``, one walk of ``trie`` (``entropy_grad``: the walk's); one that runs out of memory is
+        walked again with halved budgets by :attr:`oom_recovery` (:mod:`trl_dta.walk.recovery`), if on."""
+        if self.oom_recovery is None or not isinstance(trie, PrefixTrie):  # (a bad trie: _walk says why)
+            return walk()
+        return self.oom_recovery.run(self, walk, trie, grad, entropy_grad)
 
     # ------------------------------------------------------------------ the walk
     def _walk(

@@ -21,6 +21,12 @@ gather the embeddings and the LM head. :func:`gathered` takes over for one walk,
 Per unit and per walk: one all-gather, and (gradient walks) one reduce-scatter, whatever the trie. While
 walking, a rank holds every parameter gathered and an unsharded gradient accumulator.
 
+Before anything is reduced, the ranks agree on how their walks ended (:func:`agree_on_outcome`, one
+all-reduce of a flag per walk, across ranks only): if one rank's walk failed, no rank reduces, the
+unreduced gradients are dropped on every rank, and every rank raises, the others
+:class:`~trl_dta.walk.errors.PeerOutOfMemoryError` where it ran out of memory, so that out-of-memory
+recovery (:mod:`trl_dta.walk.recovery`) walks again on every rank or on none.
+
 **Per layer** (``per_layer=True``, for models whose gathered parameters and accumulator do not fit): the
 *root's set* (the root unit, and the units accelerate makes of the embeddings, final norm and LM head: every
 unit outside the decoder layers) stays gathered and accumulates its gradients unreduced, as in the
@@ -50,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import deepspeed as zero
-from .errors import UnsupportedModelError
+from .errors import MEMORY_ERRORS, PeerOutOfMemoryError, UnsupportedModelError
 from .lockstep import Lockstep
 
 try:  # torch >= 2.6
@@ -179,7 +185,15 @@ def gathered(model: nn.Module, grad: bool, per_layer: bool = False, decoder=None
             device = next(p.device for p in model.parameters())
             roots = [u for u in units if u not in layers]
             lockstep = Lockstep(decoder, layers, device, pad=world_size() > 1, roots=roots)
-        yield lockstep
+        agree = not per_layer and world_size() > 1  # (per layer: the lock-step's collectives cannot wait)
+        try:
+            yield lockstep
+        except BaseException as e:
+            if agree:
+                agree_on_outcome(model, e)  # (raises)
+            raise
+        if agree:
+            agree_on_outcome(model, None)
         if grad and not per_layer:
             _reduce(units, model)
         failed = False
@@ -188,8 +202,10 @@ def gathered(model: nn.Module, grad: bool, per_layer: bool = False, decoder=None
         for u, flags, prefetch in saved:
             _restore(u, flags)
             u._get_fsdp_state()._states_to_backward_prefetch = prefetch
-        if failed and hasattr(top, "reset_iter_state"):  # a failed walk's unreduced gradients are dropped
-            top.reset_iter_state()
+        if failed:  # a failed walk's unreduced gradients are dropped
+            _drop_unreduced(units)
+            if hasattr(top, "reset_iter_state"):
+                top.reset_iter_state()
         for u in units:
             u.reshard()
 
@@ -203,13 +219,45 @@ def agree_on(check, trie, model: nn.Module) -> None:
     except Exception as e:  # noqa: BLE001 - re-raised below, on this rank and the others
         error = e
     if (fsdp_units(model) or zero.is_deepspeed(model)) and world_size() > 1:
-        device = next(p.device for p in model.parameters())
-        flag = torch.tensor([0 if error is None else 1], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and error is None:
-            raise RuntimeError("another rank refused its sequences (its error says why); no rank walks.")
+        agree_on_outcome(model, error, "refused its sequences (its error says why); no rank walks")
     if error is not None:
         raise error
+
+
+def _outcome(error: BaseException | None) -> int:
+    return 0 if error is None else 1 if isinstance(error, MEMORY_ERRORS) else 2
+
+
+def agree_on_outcome(model: nn.Module, error: BaseException | None, failed: str = "failed in its walk"):
+    """Every rank says how its part ended (``error``: this rank's, or None): return if no rank failed, else
+    raise on every rank: its own error; on the others :class:`~trl_dta.walk.errors.PeerOutOfMemoryError` if
+    a rank ran out of memory (and none failed otherwise), else a ``RuntimeError`` (also where this rank ran
+    out of memory and another failed otherwise: nothing to walk again). One all-reduce, on every rank."""
+    device = next(p.device for p in model.parameters())
+    flag = torch.tensor([_outcome(error)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    worst = int(flag.item())
+    if worst == 0:
+        return
+    if error is not None and _outcome(error) == worst:
+        raise error
+    if worst == 1:
+        raise PeerOutOfMemoryError(
+            "another rank's walk ran out of memory: no rank reduces its gradients, and every rank walks "
+            "again with halved budgets (trl_dta.walk.recovery) or gives up."
+        )
+    raise RuntimeError(f"another rank {failed}; no rank reduces its gradients.") from error
+
+
+def _drop_unreduced(units: list[nn.Module]) -> None:
+    """The unsharded gradients FSDP2 accumulated for a walk that failed before reducing them (FSDP2's
+    ``reset_iter_state`` leaves them on the unsharded parameters, where the next walk would add to them)."""
+    for u in units:
+        for group in _groups(u):
+            for param in group.fsdp_params:
+                if hasattr(param, "_unsharded_param"):
+                    param._unsharded_param.grad = None
+                param.unsharded_accumulated_grad = None
 
 
 def gathered_for_check(model: nn.Module):
