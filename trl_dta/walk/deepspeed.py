@@ -257,6 +257,22 @@ def _hooks_suspended(engine):
         offload._register_deepspeed_module(offload.module)
 
 
+def assign_grad(param: nn.Parameter, grad: torch.Tensor | None) -> None:
+    """``param.grad = grad``, also for a ZeRO-3 parameter outside a walk's gather: it is partitioned there
+    (``param.data`` holds none of it), while the gradient a walk left on it until the step's flush is
+    full-size, which torch's ``.grad`` setter refuses. Its data is swapped for a zero-stride view of the full
+    shape (no allocation) for the assignment."""
+    if grad is None or grad.shape == param.shape:
+        param.grad = grad
+        return
+    data = param.data
+    param.data = torch.empty((), dtype=param.dtype, device=param.device).expand(grad.shape)
+    try:
+        param.grad = grad
+    finally:
+        param.data = data
+
+
 def _trainable(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
