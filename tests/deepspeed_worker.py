@@ -1,11 +1,12 @@
-"""One rank of the DeepSpeed executor test (tests/test_accelerate_sharded.py): torchrun, gloo, CPU.
+"""One rank of the DeepSpeed executor test (tests/test_deepspeed.py): torchrun, gloo, CPU.
 
 Every rank builds the same fp32 model and the same random tries (tests/sharded_worker.py's), wraps the model
 with ``deepspeed.initialize`` (ZeRO-2 or ZeRO-3), walks its lexicographic part of each trie, and compares the
 reduced gradients (``safe_get_full_grad``) with the dense per-sequence gradients of ALL ranks' sequences,
 averaged over ranks (DeepSpeed's reduction). Two walks per optimizer step share one ``step_reduction``. It
 counts DeepSpeed's collectives inside the walks and in the flush. With ``idle``, the last rank has nothing
-to walk and walks the two-token trie with a zero loss, as the trainer does. Rank 0 writes the results to
+to walk and walks the two-token trie with a zero loss, as the trainer does; with ``oom``, rank 0 runs out of
+memory in each step's second walk (every rank walks it again). Rank 0 writes the results to
 ``argv[1]``; argv[2:] are the case names (see CASES).
 """
 
@@ -25,13 +26,15 @@ from trl_dta import PrefixTrie, TreeExecutor, lexicographic_partition  # noqa: E
 from trl_dta.compare import relative_error  # noqa: E402
 from trl_dta.walk import deepspeed as zero  # noqa: E402
 
-# case -> (model, ZeRO stage, idle last rank)
+# case -> (model, ZeRO stage, idle last rank, out of memory on rank 0 in each step's second walk)
 CASES = {
-    "zero2": ("qwen3", 2, False),
-    "zero3": ("qwen3", 3, False),
-    "zero3-lora": ("lora", 3, False),
-    "zero2-idle-rank": ("qwen3", 2, True),
-    "zero3-idle-rank": ("qwen3", 3, True),
+    "zero2": ("qwen3", 2, False, False),
+    "zero3": ("qwen3", 3, False, False),
+    "zero3-lora": ("lora", 3, False, False),
+    "zero2-idle-rank": ("qwen3", 2, True, False),
+    "zero3-idle-rank": ("qwen3", 3, True, False),
+    "zero2-oom-rank0": ("qwen3", 2, False, True),
+    "zero3-oom-rank0": ("qwen3", 3, False, True),
 }
 COUNTS: dict[str, int] = {}
 
@@ -74,9 +77,12 @@ def engine_for(kind: str, stage: int):
 
 
 def run_case(case: str, rank: int, world: int) -> dict:
+    import torch.distributed as dist
     from deepspeed.utils import safe_get_full_grad
 
-    kind, stage, idle = CASES[case]
+    from trl_dta.testing.oom import InjectOOM
+
+    kind, stage, idle, oom = CASES[case]
     reference_model = build(kind)
     engine = engine_for(kind, stage)
     executor = TreeExecutor(engine.module)
@@ -91,20 +97,25 @@ def run_case(case: str, rank: int, world: int) -> dict:
         halves = [part[: len(part) // 2], part[len(part) // 2 :]]  # two walks in one step
         COUNTS.clear()
         phases = []
+        retried = executor.oom_recovery.retried
         with zero.step_reduction(engine):
-            for half in halves:
+            for k, half in enumerate(halves):
                 before = dict(COUNTS)
                 trie = PrefixTrie.from_sequences([seqs[i] for i in half] if half else [[0, 1]])
 
                 def loss(j, lp, ent, half=half):
                     return loss_for(half[j])(lp, ent) if half else lp.sum() * 0.0
 
-                executor.backward(trie, loss, entropies=True)
+                at = 1 if oom and k == 1 and rank == 0 else None  # (rank 0: the second walk's first call)
+                with InjectOOM(executor.lm.decoder.layers[0], at=at):
+                    executor.backward(trie, loss, entropies=True)
                 phases.append({k: v - before.get(k, 0) for k, v in COUNTS.items() if v > before.get(k, 0)})
             before = dict(COUNTS)
         phases.append({k: v - before.get(k, 0) for k, v in COUNTS.items() if v > before.get(k, 0)})  # flush
         grads = {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()
                  if p.requires_grad}  # fmt: skip
+        retries = [None] * world
+        dist.all_gather_object(retries, executor.oom_recovery.retried - retried)
         engine.step()  # (lr 0: the parameters stay; the gradients are cleared)
         with torch.no_grad():
             before = dict(COUNTS)
@@ -119,6 +130,7 @@ def run_case(case: str, rank: int, world: int) -> dict:
                 "flush": phases[2],
                 "logprobs": logprob,
                 "sequences": len(part),
+                "retries": retries,
             }
         )
     return out
