@@ -18,7 +18,7 @@
 #      tries, plus the executor's chunked-backward and unpacked-leaves paths; fails the script on a mismatch;
 #   4. FSDP2 smoke test: `fsdp2_smoke.py`, gather-once and per-layer (world size 1, fp32: the walk on a
 #      fully_shard-ed model against dense gradients, FSDP2's gathers and reductions per walk, the walk's CUDA
-#      peak against the README's memory model); ~1 min; fails the script on a mismatch;
+#      peak against docs/multi-process.md's memory model); ~1 min; fails the script on a mismatch;
 #   4b. the device-sized walk: `device_walk.py` (flex attention's fp32 exactness on random tries, failing the
 #      script above 1e-5; then a Qwen3-1.7B-shaped walk with memory_budget="auto", sdpa and flex side by side:
 #      budgets, calls, walk vs dense, CUDA peak, recompute, host syncs per walk); ~2 min;

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from ..trie import PrefixTrie, TrieNode
+from . import deepspeed as zero
 from .budgets import AUTO_FRACTION, FIXED, TokenBudgets, auto_memory_bytes, check_memory_budget
 from .budgets import token_budgets as derive_budgets
 from .checks import check_count
@@ -73,7 +74,8 @@ class TreeExecutor:
     Args:
         model: a ``transformers`` causal LM that takes a KV cache (see docs/supported-models.md), plain or
             PEFT (LoRA) wrapped, whole or sharded with FSDP2 (``fully_shard``: each walk gathers every unit
-            once and reduce-scatters the gradients once, :mod:`trl_dta.walk.sharding`). Randomness must be
+            once and reduce-scatters the gradients once, :mod:`trl_dta.walk.sharding`), or the module of a
+            DeepSpeed ZeRO-2/3 engine (registered first: :mod:`trl_dta.walk.deepspeed`). Randomness must be
             off while it trains (checked at each call: :mod:`trl_dta.walk.determinism`). Models the walk
             cannot compute exactly raise :class:`~trl_dta.UnsupportedModelError`.
         block_size: most tokens forwarded with an autograd graph kept on the stack, and longest segment. Paths
@@ -98,7 +100,8 @@ class TreeExecutor:
         gather_per_layer: for an FSDP2-sharded model whose gathered parameters do not fit: gather each decoder
             layer only for its own calls and reduce-scatter its gradients after each backward call, the calls
             of all ranks kept in lock-step (:mod:`trl_dta.walk.lockstep`), instead of gathering every unit
-            once per walk. Slower: see the README's memory model. Ignored for an unsharded model.
+            once per walk. Slower: see docs/multi-process.md's memory model. Ignored for an unsharded
+            model; refused under DeepSpeed ZeRO-3 (:mod:`trl_dta.walk.deepspeed`).
         memory_budget: bytes of activation memory a walk may use; the budgets not given are derived from it
             for each trie (:mod:`trl_dta.walk.budgets`: the longest path's graph first, so that nothing is
             forwarded twice, then the largest calls that fit). "auto": on CUDA, ``AUTO_FRACTION`` of the free
@@ -329,7 +332,10 @@ class TreeExecutor:
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
         model, lm = self.lm.model, self.lm
         agree_on(lm.check_sequences, trie, model)  # (sharded: every rank raises if one does)
-        sharded = gathered(model, grad, self.gather_per_layer, lm.decoder, lm.config.num_hidden_layers)
+        if zero.is_deepspeed(model):  # DeepSpeed ZeRO-2/3: gathered once, reduced once per step
+            sharded = zero.gathered(model, grad, self.gather_per_layer)
+        else:  # FSDP2 (or nothing to gather)
+            sharded = gathered(model, grad, self.gather_per_layer, lm.decoder, lm.config.num_hidden_layers)
         with lm.no_gradient_checkpointing(), sharded as lockstep:  # (its final reduction too)
             lm.check_model()
             seq_from, node_from = scored_from(trie, score_from)

@@ -69,6 +69,11 @@ def _base_model(model: nn.Module) -> nn.Module:
     return model
 
 
+def _full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape, also while DeepSpeed ZeRO-3 has it partitioned (outside a walk's gather)."""
+    return getattr(param, "ds_shape", param.shape)
+
+
 class CausalLM:
     """A causal LM seen as ``forward(tokens, path) -> hidden, new caches`` plus an LM head.
 
@@ -145,7 +150,7 @@ class CausalLM:
 
     def _binding(self) -> tuple:
         lm_head = self.base.get_output_embeddings()
-        shape = None if lm_head is None else tuple(lm_head.weight.shape)
+        shape = None if lm_head is None else tuple(_full_shape(lm_head.weight))
         return lm_head, shape, getattr(self.config, "_attn_implementation", None)
 
     @property
@@ -181,7 +186,9 @@ class CausalLM:
     def vocab_size(self) -> int:
         """Ids the model can both embed and score (the smaller of its current input and output embeddings)."""
         embeddings, head = self.base.get_input_embeddings(), self.base.get_output_embeddings() or self.lm_head
-        sizes = [head.weight.shape[0]] + ([] if embeddings is None else [embeddings.weight.shape[0]])
+        sizes = [_full_shape(head.weight)[0]] + (
+            [] if embeddings is None else [_full_shape(embeddings.weight)[0]]
+        )
         return min(sizes)
 
     def check_sequences(self, trie) -> None:

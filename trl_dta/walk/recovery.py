@@ -29,7 +29,8 @@ retried walk equals an uninterrupted one to rounding.
 Across ranks. On a model sharded with FSDP2 (gather once), the ranks agree before the walk's final
 reduce-scatter (:func:`trl_dta.walk.sharding.gathered`): if any rank ran out of memory, no rank reduces,
 the ranks whose walk succeeded raise :class:`~trl_dta.walk.errors.PeerOutOfMemoryError`, and every rank
-walks again with halved budgets (or all give up together). Under DDP the walk makes no collective (the
+walks again with halved budgets (or all give up together); under DeepSpeed ZeRO-2/3 every walk ends with
+the same agreement (:mod:`trl_dta.walk.deepspeed`). Under DDP the walk makes no collective (the
 trainer all-reduces the gradients after the walk), so a rank retries on its own and nothing is reduced
 before its walk has succeeded. With ``gather_per_layer`` across ranks the walk's calls are in lock-step with
 the other ranks' (:mod:`trl_dta.walk.lockstep`) and a rank cannot leave and re-join it: the error is raised
@@ -55,6 +56,7 @@ from torch import nn
 
 from .budgets import TokenBudgets
 from .checks import check_count
+from .deepspeed import assign_grad
 from .errors import MEMORY_ERRORS, WalkOutOfMemoryError
 from .sharding import fsdp_units, world_size
 
@@ -107,14 +109,14 @@ class _SetAside:
 
     def restore(self) -> None:
         for p, saved in zip(self.params, self.saved, strict=True):
-            p.grad = saved
+            assign_grad(p, saved)  # (p.grad = saved; a ZeRO-3 parameter's is full-size)
 
     def merge(self) -> None:
         for p, saved in zip(self.params, self.saved, strict=True):
             if saved is not None:
                 if p.grad is not None:
                     saved.add_(p.grad)
-                p.grad = saved
+                assign_grad(p, saved)
 
 
 def free_memory(device: torch.device) -> None:
