@@ -197,7 +197,8 @@ def auto_memory_bytes(model: torch.nn.Module, device: torch.device, fraction: fl
     later = 0
     for p in model.parameters():
         if p.requires_grad:
-            size = p.numel() * p.element_size()
+            # the full size (ZeRO-3 partitions hold ds_numel; FSDP2's DTensors count their global size)
+            size = (getattr(p, "ds_numel", None) or p.numel()) * p.element_size()
             later += 2 * size + (size if p.grad is None else 0)
     budget = fraction * free - later
     if budget <= 0:
