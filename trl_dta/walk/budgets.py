@@ -92,7 +92,8 @@ class DeviceCosts:
 # benchmarks/call_costs.py (docs/benchmarks.md, "Call sizes").
 DEVICE_COSTS = {
     "cuda": DeviceCosts(layer_call_s=182 * 5e-6, flop_rate=0.4 * 989e12, max_call_tokens=1 << 16),
-    "cpu": DeviceCosts(layer_call_s=1.0e-3, flop_rate=3.0e10, max_call_tokens=2048),
+    # fitted 2026-12-01 (SmolLM2-wide 8-layer Llama, fp32, 2 threads): 1.8 ms per layer-call, 1.6e11 FLOP/s
+    "cpu": DeviceCosts(layer_call_s=1.8e-3, flop_rate=1.6e11, max_call_tokens=2048),
 }
 
 
