@@ -181,7 +181,7 @@ def main():
             {"variant": "stock", "phase_s": phase(tree=False)},
             {"variant": "tree", "phase_s": phase(tree=True)},
         ]
-        columns = [("variant", "variant", "s"), ("phase_s", "warm-start phase s", ".1f")]
+        columns = [("variant", "variant", "{}"), ("warm-start phase s", "phase_s", "{:.1f}")]
     else:
         data = conversations(args.case, args.conversations)
         names = args.variants.split(",")
@@ -197,9 +197,9 @@ def main():
             rows.append({"variant": name, "step_s": step, "speedup": base / step,
                          "peak_mib": statistics.median(r["peak_mib"] for r in runs[name]),
                          "loss": runs[name][0]["loss"], "dedup": runs[name][0]["dedup"]})  # fmt: skip
-        columns = [("variant", "variant", "s"), ("step_s", "step s (median)", ".2f"),
-                   ("speedup", f"x {names[0]}", ".2f"), ("peak_mib", "peak MiB", ".0f"),
-                   ("loss", "loss", ".4f"), ("dedup", "dedup", ".2f")]  # fmt: skip
+        columns = [("variant", "variant", "{}"), ("step s (median)", "step_s", "{:.2f}"),
+                   (f"x {names[0]}", "speedup", "{:.2f}"), ("peak MiB", "peak_mib", "{:.0f}"),
+                   ("loss", "loss", "{:.4f}"), ("dedup", "dedup", "{:.2f}")]  # fmt: skip
     table = markdown_table(rows, columns)
     print(table)
     wall = time.perf_counter() - started

@@ -196,3 +196,39 @@ def test_refuses_labels_that_are_not_the_tokens(tmp_path):
     dataset = Dataset.from_list([{"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 9, 8]}] * 4)
     with pytest.raises(ValueError, match="differ from its input_ids"):
         train(TreeSFTTrainer, tmp_path, dataset)
+
+
+def test_bf16_autocast_as_close_to_fp32_as_stock(tmp_path):
+    """bf16 autocast over fp32 weights: the walk and the dense pass round in different places, so each is
+    measured against stock fp32, and the walk's bf16 error must be no larger than stock TRL's own (x 1.5,
+    as tests/test_mixed_precision.py asks of TreePPOTrainer)."""
+    runs = {}
+    for name, cls, bf16 in (
+        ("fp32", SFTTrainer, False),
+        ("stock", SFTTrainer, True),
+        ("tree", TreeSFTTrainer, True),
+    ):
+        config_cls = TreeSFTConfig if cls is TreeSFTTrainer else SFTConfig
+        rec = GradRecorder()
+        config = make_sft_config(tmp_path / name, config_cls=config_cls, bf16=bf16, learning_rate=1e-2,
+                                 assistant_only_loss=True)  # fmt: skip
+        trainer = cls(model=tiny_model(), args=config, train_dataset=tool_conversations(4),
+                      processing_class=tiny_tokenizer(), callbacks=[rec])  # fmt: skip
+        trainer.train()
+        runs[name] = rec.grads
+    for step in range(2):
+        stock_err = relative_error(runs["stock"][step], runs["fp32"][step])
+        tree_err = relative_error(runs["tree"][step], runs["fp32"][step])
+        assert stock_err > 1e-4, "bf16 was not used: the comparison would prove nothing"
+        assert tree_err <= 1.5 * stock_err, f"step {step}: tree {tree_err:.3g} vs stock {stock_err:.3g}"
+
+
+def test_evaluation_is_trl_dense_loss(tmp_path):
+    losses = []
+    for cls in (SFTTrainer, TreeSFTTrainer):
+        config_cls = TreeSFTConfig if cls is TreeSFTTrainer else SFTConfig
+        config = make_sft_config(tmp_path / cls.__name__, config_cls=config_cls, assistant_only_loss=True)
+        trainer = cls(model=tiny_model(), args=config, train_dataset=tool_conversations(4),
+                      eval_dataset=tool_conversations(2), processing_class=tiny_tokenizer())  # fmt: skip
+        losses.append(trainer.evaluate()["eval_loss"])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
