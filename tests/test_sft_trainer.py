@@ -192,6 +192,16 @@ def test_refuses_compute_loss_func(tmp_path):
                        processing_class=tiny_tokenizer(), compute_loss_func=lambda *a, **k: 0)  # fmt: skip
 
 
+def test_refuses_unknown_model_inputs():
+    from trl_dta.train.sft_rows import batch_samples
+
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="token_type_ids"):
+        batch_samples(
+            [{"input_ids": ids, "labels": ids, "attention_mask": ids * 0 + 1, "token_type_ids": ids}]
+        )
+
+
 def test_refuses_labels_that_are_not_the_tokens(tmp_path):
     dataset = Dataset.from_list([{"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 9, 8]}] * 4)
     with pytest.raises(ValueError, match="differ from its input_ids"):

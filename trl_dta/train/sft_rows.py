@@ -21,6 +21,9 @@ from typing import NamedTuple
 import torch
 
 IGNORE = -100
+# what TRL's collator delivers; padding-free's sequence boundaries are read from position_ids alone
+KNOWN = {"input_ids", "labels", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
+         "max_length_q", "max_length_k", "seq_idx"}  # fmt: skip
 
 
 class Sample(NamedTuple):
@@ -74,6 +77,13 @@ def batch_samples(batches: Sequence[dict]) -> list[Sample]:
     """Every sample of ``batches`` (TRL SFT micro-batches) that has a trained token, in order."""
     samples = []
     for b, inputs in enumerate(batches):
+        unknown = sorted(set(inputs) - KNOWN)
+        if unknown:
+            raise ValueError(
+                f"the batch has inputs the tree walk does not pass to the model: {unknown} (a custom "
+                "collator, multimodal data?); TreeSFTTrainer takes TRL's language-modeling collator's "
+                "batches."
+            )
         if inputs["labels"].shape != inputs["input_ids"].shape:
             raise ValueError("labels and input_ids must have the same shape (TRL's causal-LM collator).")
         for r in range(inputs["input_ids"].shape[0]):
