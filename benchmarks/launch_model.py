@@ -8,12 +8,20 @@ launch, not counting fusion), for a model with Qwen3-1.7B's shapes, and extrapol
 runs with 1 and 2 layers (operators grow linearly in layers). Then, per optimizer step:
 
 * launch floor = kernels x launch cost;
-* compute time = FLOPs (``trl_dta.walk.flops``, x3 for forward + backward) / (peak x utilisation).
+* compute time = FLOPs / (peak x utilisation): dense's from ``trl_dta.walk.flops`` (x3 for forward +
+  backward); the walk's from its plan, call by call: every token it forwards (those recomputed at pop
+  twice), the attention pairs its kernel computes (a dense mask: each packed row's whole rectangle; flex
+  attention's block-sparse mask: the pairs the tree needs plus a tile per row), the LM head where scored.
 
-Where the launch floor approaches the compute time, the walk needs fewer, larger calls (or CUDA graphs).
+The walk's budgets are those ``trl_dta.walk.budgets.token_budgets`` picks for Qwen3-1.7B in bf16 within
+``--memory`` bytes (default: 60e9, and what an 80 GB and a 141 GB GPU leave after 16 bytes per parameter
+of weights, gradients and Adam states, 90% of the card), and the calls are merged by the CUDA cost model
+(``trl_dta.walk.costs``) for each attention kernel (``--kernels flex,sdpa``). ``--fixed`` adds the fixed
+CPU budgets (what a GPU ran before memory budgets). Where the launch floor approaches the compute time,
+the walk needs fewer, larger calls (or CUDA graphs).
 
-    python benchmarks/launch_model.py [--shape tau2-2x8-10k] [--launch_us 5] [--tflops 989] [--mfu 0.4]
-                                      [--out OUT_DIR]
+    python benchmarks/launch_model.py [--shapes tau2-2x8-10k] [--scales 1,0.125] [--launch_us 5]
+                                      [--tflops 989] [--mfu 0.4] [--out OUT_DIR]
 """
 
 from __future__ import annotations
@@ -31,8 +39,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
+from trl_dta.walk.budgets import FIXED, token_budgets  # noqa: E402
+from trl_dta.walk.costs import TILE, CallCost, needed_pairs  # noqa: E402
 from trl_dta.walk.flops import flops as count_flops  # noqa: E402
 from trl_dta.walk.flops import per_token_costs  # noqa: E402
+from trl_dta.walk.plan import Push  # noqa: E402
+from trl_dta.walk.scoring import scored_from  # noqa: E402
 
 QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, num_hidden_layers=28, vocab_size=151936,
@@ -66,9 +78,12 @@ def small(layers: int) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(cfg).train()
 
 
-def walk_ops(layers: int, seqs, froms) -> tuple[int, dict]:
+def walk_ops(layers: int, seqs, froms, budgets, call_cost) -> tuple[int, dict, list]:
+    """Kernels of one walk with ``budgets`` and ``call_cost`` (the plan of the full-size model), its calls
+    and its plan."""
     model = small(layers)
-    executor = TreeExecutor(model)
+    executor = TreeExecutor(model, **vars(budgets))
+    executor.call_cost = call_cost
     trie = PrefixTrie.from_sequences(seqs)
     executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)  # warm: probe, checks
     before = (executor.calls.forward, executor.calls.backward, executor.calls.tokens)
@@ -76,7 +91,34 @@ def walk_ops(layers: int, seqs, froms) -> tuple[int, dict]:
         executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)
     calls = {"forward": executor.calls.forward - before[0], "backward": executor.calls.backward - before[1],
              "tokens": executor.calls.tokens - before[2]}  # fmt: skip
-    return counter.ops, calls
+    return counter.ops, calls, executor.plan(trie)
+
+
+def plan_flops(lm, trie, froms, plan, block_sparse: bool) -> dict:
+    """Forward + backward FLOPs of a walk's plan (module docstring), and the tokens it recomputes."""
+    body, attention, head = per_token_costs(lm)
+    _, node_from = scored_from(trie, froms)
+    total, recomputed = 0.0, 0
+    for step in plan:
+        if isinstance(step, Push):
+            segments, recompute = [step.segment], not step.keep_graph
+        elif hasattr(step, "segments"):
+            segments, recompute = list(step.segments), False
+        else:
+            continue
+        tokens = sum(s.num_tokens for s in segments)
+        past = segments[0].start
+        pairs = needed_pairs(segments) + tokens * TILE if block_sparse else tokens * (past + tokens)
+        if not block_sparse and len(segments) == 1:
+            pairs = needed_pairs(segments)  # one row on its past: a causal kernel skips the upper half
+        pairs = min(pairs, tokens * (past + tokens))
+        cost = body * tokens + attention * pairs
+        total += 3 * cost + (cost if recompute else 0)
+        recomputed += tokens if recompute else 0
+    for node in trie.nodes():
+        first = node_from[node]
+        total += 3 * head * max(0, (node.end - 1) - max(node.start - 1, first, 0))
+    return {"flops": total, "recomputed_tokens": recomputed}
 
 
 def dense_ops(layers: int, seqs, froms, micro_batches: int) -> int:
@@ -97,29 +139,23 @@ def dense_ops(layers: int, seqs, froms, micro_batches: int) -> int:
     return counter.ops
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="tau2-2x8-10k")
-    parser.add_argument("--scale", type=float, default=1.0, help="lengths x this (a quick run)")
-    parser.add_argument("--micro_batches", type=int, default=4, help="TRL's gradient accumulation steps")
-    parser.add_argument("--launch_us", type=float, default=5.0, help="host cost per kernel launch, µs")
-    parser.add_argument("--tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s (H200)")
-    parser.add_argument("--mfu", type=float, default=0.4, help="fraction of peak the matmuls reach")
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    workload = next(w for w in shapes_for("gpu", 512, args.scale) if w.name == args.shape)
+def memories(args) -> dict[str, float]:
+    """Activation memory per configuration: --memory, and an 80 / 141 GB GPU less 16 bytes a parameter."""
+    params = 1.72e9  # Qwen3-1.7B
+    out = {f"{m:.3g} B": m for m in args.memory}
+    for card in args.cards:
+        out[f"{card:g} GB GPU"] = 0.9 * card * 1e9 - 16 * params
+    return out
+
+
+def run_shape(args, name: str, scale: float) -> dict:
+    workload = next(w for w in shapes_for("gpu", 512, scale) if w.name == name)
     seqs, froms = [], []
     for prompt, completions in workload.groups:
         for c in completions:
             seqs.append(prompt + c)
             froms.append(len(prompt) - 1)
     L = QWEN3_1_7B["num_hidden_layers"]
-    (w1, calls), (w2, _) = walk_ops(1, seqs, froms), walk_ops(2, seqs, froms)
-    d1, d2 = dense_ops(1, seqs, froms, args.micro_batches), dense_ops(2, seqs, froms, args.micro_batches)
-    walk_kernels = w1 + (w2 - w1) * (L - 1)
-    dense_kernels = d1 + (d2 - d1) * (L - 1)
-    # FLOPs at Qwen3-1.7B's sizes (a meta-device model: no memory)
     with torch.device("meta"):
         big = Qwen3ForCausalLM(Qwen3Config(**QWEN3_1_7B))
 
@@ -128,33 +164,81 @@ def main() -> None:
 
     trie = PrefixTrie.from_sequences(seqs)
     dense_flops, walk_flops = count_flops(_LM, trie, froms)
+    d1, d2 = dense_ops(1, seqs, froms, args.micro_batches), dense_ops(2, seqs, froms, args.micro_batches)
+    dense_kernels = d1 + (d2 - d1) * (L - 1)
     rate = args.tflops * 1e12 * args.mfu
-    report = {
-        "shape": args.shape, "rows": len(seqs), "tokens": trie.num_tokens, "dedup_ratio": trie.dedup_ratio,
-        "flop_ratio": dense_flops / walk_flops, "walk_calls": calls,
-        "kernels_per_layer_call": (w2 - w1) / max(1, calls["forward"] + calls["backward"]),
-        "walk": {"kernels": walk_kernels, "launch_s": walk_kernels * args.launch_us * 1e-6,
-                 "compute_s": 3 * walk_flops / rate},
-        "dense": {"calls": 2 * args.micro_batches, "kernels": dense_kernels,
-                  "launch_s": dense_kernels * args.launch_us * 1e-6, "compute_s": 3 * dense_flops / rate},
-        "assumptions": {"launch_us": args.launch_us, "tflops": args.tflops, "mfu": args.mfu,
-                        "per_token_costs": per_token_costs(_LM)},
-    }  # fmt: skip
-    for side in ("walk", "dense"):
-        r = report[side]
-        r["floor_s"] = max(r["launch_s"], r["compute_s"])
-    report["predicted_speedup"] = report["dense"]["floor_s"] / report["walk"]["floor_s"]
-    print(json.dumps(report, indent=1, default=float))
-    w, d = report["walk"], report["dense"]
-    print(f"\n{args.shape}: walk {calls['forward']} forward + {calls['backward']} backward calls, "
-          f"{w['kernels']:,} kernels -> launch {w['launch_s']:.3f} s vs compute {w['compute_s']:.3f} s; "
-          f"dense {d['kernels']:,} kernels -> launch {d['launch_s']:.3f} s vs compute {d['compute_s']:.3f} s;"
-          " "
-          f"predicted speedup {report['predicted_speedup']:.2f}x (dedup {trie.dedup_ratio:.2f}, "
-          f"FLOP ideal {report['flop_ratio']:.2f})")  # fmt: skip
+    dense = {"calls": 2 * args.micro_batches, "kernels": dense_kernels,
+             "launch_s": dense_kernels * args.launch_us * 1e-6,
+             "compute_s": 3 * dense_flops / rate}  # fmt: skip
+    dense["floor_s"] = max(dense["launch_s"], dense["compute_s"])
+    path = max(n.start for n in trie.nodes() if n.is_leaf)
+    report = {"shape": name, "scale": scale, "rows": len(seqs), "tokens": trie.num_tokens,
+              "unique_tokens": trie.num_unique_tokens, "dedup_ratio": trie.dedup_ratio,
+              "flop_ratio": dense_flops / walk_flops, "path_tokens": path, "dense": dense,
+              "walk": []}  # fmt: skip
+    configs = [(label, m) for label, m in memories(args).items()] + (
+        [("fixed CPU budgets", None)] if args.fixed else []
+    )
+    for label, memory in configs:
+        budgets = (
+            FIXED
+            if memory is None
+            else token_budgets(
+                big.config, torch.bfloat16, memory, "cuda", path_tokens=path, entropy_grad=False
+            )
+        )
+        for kernel in args.kernels:
+            sparse = kernel == "flex"
+            cost = None if memory is None else CallCost.for_model(big.config, "cuda", block_sparse=sparse)
+            (w1, calls, plan), (w2, _, _) = (walk_ops(k, seqs, froms, budgets, cost) for k in (1, 2))
+            kernels = w1 + (w2 - w1) * (L - 1)
+            planned = plan_flops(_LM, trie, froms, plan, sparse)
+            walk = {"memory": label, "memory_bytes": memory, "kernel": kernel, "budgets": vars(budgets),
+                    "calls": calls, "kernels": kernels, "kernels_vs_dense": kernels / dense_kernels,
+                    "launch_s": kernels * args.launch_us * 1e-6, "compute_s": planned["flops"] / rate,
+                    "recompute_share": planned["recomputed_tokens"] / trie.num_unique_tokens}  # fmt: skip
+            walk["floor_s"] = max(walk["launch_s"], walk["compute_s"])
+            walk["launch_share"] = walk["launch_s"] / walk["compute_s"]
+            walk["predicted_speedup"] = dense["floor_s"] / walk["floor_s"]
+            walk["of_flop_ideal"] = walk["predicted_speedup"] / report["flop_ratio"]
+            report["walk"].append(walk)
+            print(f"{name} x{scale:g} [{label}, {kernel}] budgets {tuple(vars(budgets).values())}: "
+                  f"{calls['forward']}+{calls['backward']} calls, {kernels:,} kernels "
+                  f"({walk['kernels_vs_dense']:.2f}x dense), launch {walk['launch_s']:.3f} s vs compute "
+                  f"{walk['compute_s']:.3f} s ({walk['launch_share']:.0%}), recompute "
+                  f"{walk['recompute_share']:.0%}, predicted {walk['predicted_speedup']:.2f}x "
+                  f"({walk['of_flop_ideal']:.2f} of the FLOP ideal {report['flop_ratio']:.2f}; dedup "
+                  f"{trie.dedup_ratio:.2f})", flush=True)  # fmt: skip
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="tau2-2x8-10k")
+    parser.add_argument("--scales", default="1,0.125", help="lengths x these")
+    parser.add_argument(
+        "--memory", default="60e9", help="activation memory budgets in bytes, comma-separated"
+    )
+    parser.add_argument("--cards", default="80,141", help="GPU memory in GB, comma-separated ('' for none)")
+    parser.add_argument("--kernels", default="flex,sdpa", help="attention kernels: flex (block-sparse), sdpa")
+    parser.add_argument("--fixed", action="store_true", help="also the fixed CPU budgets")
+    parser.add_argument("--micro_batches", type=int, default=4, help="TRL's gradient accumulation steps")
+    parser.add_argument("--launch_us", type=float, default=5.0, help="host cost per kernel launch, µs")
+    parser.add_argument("--tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s (H200)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="fraction of peak the matmuls reach")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    args.memory = [float(m) for m in args.memory.split(",") if m]
+    args.cards = [float(c) for c in args.cards.split(",") if c]
+    args.kernels = [k for k in args.kernels.split(",") if k]
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    reports = [run_shape(args, name, float(scale)) for name in args.shapes.split(",")
+               for scale in args.scales.split(",")]  # fmt: skip
+    assumptions = {"launch_us": args.launch_us, "tflops": args.tflops, "mfu": args.mfu}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "launch_model.json").write_text(json.dumps(report, indent=1, default=float))
+        out = {"assumptions": assumptions, "shapes": reports}
+        (Path(args.out) / "launch_model.json").write_text(json.dumps(out, indent=1, default=float))
 
 
 if __name__ == "__main__":

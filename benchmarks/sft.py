@@ -20,8 +20,8 @@ step trains ``--conversations`` samples):
 
 Variants, in turn, ``--repeats`` times (each a fresh trainer, same initial weights): stock ``SFTTrainer``
 ± gradient checkpointing, ± ``padding_free``; ``TreeSFTTrainer`` (± ``padding_free``, walked as the same
-samples). Measured per run: the wall time of the second optimizer step (the first one pays one-time costs:
-the walk's construction probe, allocator warm-up), the peak memory it adds (CPU: resident set, ``PeakMemory``
+samples). Measured per run: the wall time of one optimizer step (the walk's one-time construction probe runs
+before it, outside the timing), the peak memory it adds (CPU: resident set, ``PeakMemory``
 of benchmarks/common.py; CUDA: allocated bytes); reported as medians, with the step's dedup ratio (tokens /
 unique tokens of its trie) and TRL's loss of that step (equal for all variants up to float rounding).
 
@@ -116,7 +116,7 @@ def run_variant(name, data, model_path, tokenizer, args, device):
     config_cls, trainer_cls = (TreeSFTConfig, TreeSFTTrainer) if tree else (SFTConfig, SFTTrainer)
     batch = max(len(data) // 2, 1)
     config = config_cls(
-        output_dir=tempfile.mkdtemp(prefix="sft_bench_"), max_steps=2, per_device_train_batch_size=batch,
+        output_dir=tempfile.mkdtemp(prefix="sft_bench_"), max_steps=1, per_device_train_batch_size=batch,
         gradient_accumulation_steps=2, learning_rate=1e-5, optim="sgd", lr_scheduler_type="constant",
         assistant_only_loss=True, max_length=None, padding_free=padding_free, bf16=False,
         use_cpu=device == "cpu",
@@ -126,12 +126,14 @@ def run_variant(name, data, model_path, tokenizer, args, device):
     )  # fmt: skip
     timer = StepTimer(device)
     trainer = trainer_cls(model=load_model(model_path, args.layers), args=config,
-                          train_dataset=Dataset.from_list(data * 2), processing_class=tokenizer,
+                          train_dataset=Dataset.from_list(data), processing_class=tokenizer,
                           callbacks=[timer])  # fmt: skip
+    if tree:  # the walk's one-time construction probe, outside the timed step
+        trainer._executor(trainer.model)
     trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"step_s": timer.seconds[1], "peak_mib": (timer.peaks[1] or 0) / 2**20, "loss": logs[1]["loss"],
-            "dedup": logs[1].get("tree/dedup_ratio"), "tokens": logs[1].get("tree/tokens")}  # fmt: skip
+    (log,) = [h for h in trainer.state.log_history if "loss" in h]
+    return {"step_s": timer.seconds[0], "peak_mib": (timer.peaks[0] or 0) / 2**20, "loss": log["loss"],
+            "dedup": log.get("tree/dedup_ratio"), "tokens": log.get("tree/tokens")}  # fmt: skip
 
 
 def warm_start_phase(model_path, tokenizer, tree: bool, out_dir: str) -> float:

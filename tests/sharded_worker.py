@@ -159,10 +159,7 @@ def dense_sharded(model, seqs, world):
 
 def _gather_steps(executor, trie) -> list[int]:
     """Each rank's number of plan steps (the per-layer mode pads every rank to the most)."""
-    from trl_dta.walk.plan import build_plan
-
-    steps = len(build_plan(trie, executor.block_size, executor.batch_tokens, executor.pack_leaves,
-                           executor.subtree_tokens))  # fmt: skip
+    steps = len(executor.plan(trie))
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, steps)
     return out

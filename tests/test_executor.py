@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError
 from trl_dta.walk.cache import PathLayer
+from trl_dta.walk.costs import CallCost
 from trl_dta.walk.path_kv import PathKV
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
@@ -66,12 +67,17 @@ def tree_grads(executor, model, trie, loss_fn, temperature, entropies):
     temperature=st.sampled_from([1.0, 0.7]),
     use_entropy=st.booleans(),
     pack=st.booleans(),
+    merge_all=st.booleans(),
 )
-def test_backward_matches_dense(family, attn, seqs, block_size, batch_tokens, temperature, use_entropy, pack):
+def test_backward_matches_dense(
+    family, attn, seqs, block_size, batch_tokens, temperature, use_entropy, pack, merge_all
+):
     model = cached_model(family, attn)
     loss_fn = loss_fn_for(seqs, use_entropy)
     ref, ref_total = dense_grads(model, seqs, loss_fn, temperature)
     executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens, pack_leaves=pack)
+    if merge_all:  # a cost model where only calls cost: leaves and subtrees merged as the budgets allow
+        executor.call_cost = CallCost(fixed=1.0, per_token=0.0, per_pair=0.0)
     got, total = tree_grads(
         executor, model, PrefixTrie.from_sequences(seqs), loss_fn, temperature, use_entropy
     )

@@ -243,9 +243,12 @@ def test_a_loss_fn_that_returns_no_tensor_is_refused():
 
 def test_bad_settings_and_arguments_get_clear_errors():
     model = make_model("qwen3", "sdpa")
-    for value in (2.5, None, "8"):
+    for value in (2.5, "8"):  # (None: derived from memory_budget)
         with pytest.raises(TypeError, match="block_size must be an int"):
             TreeExecutor(model, block_size=value)
+    for value in (0, -1.0, "lots", True):
+        with pytest.raises(ValueError, match="memory_budget must be"):
+            TreeExecutor(model, memory_budget=value)
     with pytest.raises(TypeError, match="batch_tokens must be an int"):
         TreeExecutor(model, batch_tokens=1.0)
     with pytest.raises(ValueError, match="block_size must be an int"):  # a bad setting, as HF's checks raise

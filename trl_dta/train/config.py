@@ -14,9 +14,10 @@ class TreePPOConfig(TreeArguments, GRPOConfig):
     """Configuration for :class:`~trl_dta.TreePPOTrainer`: every ``GRPOConfig`` field, plus:
 
     Args:
-        tree_block_size, tree_batch_tokens, tree_subtree_tokens, tree_check_gradients, tree_check_tolerance:
-            the walk's budgets and gradient check, shared with :class:`~trl_dta.TreeSFTConfig`
-            (:class:`~trl_dta.train.tree_args.TreeArguments`).
+        tree_memory_budget, tree_block_size, tree_batch_tokens, tree_subtree_tokens, tree_check_gradients,
+        tree_check_tolerance:
+            The walk's memory and token budgets and its gradient check, shared with
+            :class:`~trl_dta.TreeSFTConfig`: :class:`~trl_dta.train.tree_args.TreeArguments` documents them.
         tree_lexicographic_steps (`bool`, defaults to `False`):
             Opt-in. Instead of TRL's random shuffle, order each generation batch lexicographically (rows that
             share a prefix become neighbours) and cut it into micro-batches in that order, so each optimizer

@@ -15,9 +15,10 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
     """Configuration for :class:`~trl_dta.TreeSFTTrainer`: every ``SFTConfig`` field, plus:
 
     Args:
-        tree_block_size, tree_batch_tokens, tree_subtree_tokens, tree_check_gradients, tree_check_tolerance:
-            the walk's budgets and gradient check, as in :class:`~trl_dta.TreePPOConfig`
-            (:class:`~trl_dta.train.tree_args.TreeArguments`).
+        tree_memory_budget, tree_block_size, tree_batch_tokens, tree_subtree_tokens, tree_check_gradients,
+        tree_check_tolerance:
+            The walk's memory and token budgets and its gradient check, as in :class:`~trl_dta.TreePPOConfig`:
+            :class:`~trl_dta.train.tree_args.TreeArguments` documents them.
         tree_token_accuracy (`bool`, defaults to `True`):
             Log TRL's `mean_token_accuracy` (is each label token the model's top-1 token?). The walk scores a
             sequence by its labels' log-probs and entropies only, so the top-1 test costs one more forward of

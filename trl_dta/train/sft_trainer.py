@@ -104,6 +104,7 @@ class TreeSFTTrainer(SFTTrainer):
             "block_size": option("tree_block_size"),
             "batch_tokens": option("tree_batch_tokens"),
             "subtree_tokens": option("tree_subtree_tokens"),
+            "memory_budget": option("tree_memory_budget"),
         }
         self._tree_check = option("tree_check_gradients")
         self._tree_check_tolerance = option("tree_check_tolerance")

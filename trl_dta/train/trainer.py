@@ -84,9 +84,10 @@ class TreePPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         a = self.args
         self._tree_options = {
-            "block_size": getattr(a, "tree_block_size", TreePPOConfig.tree_block_size),
+            "block_size": getattr(a, "tree_block_size", None),
             "batch_tokens": getattr(a, "tree_batch_tokens", None),
-            "subtree_tokens": getattr(a, "tree_subtree_tokens", TreePPOConfig.tree_subtree_tokens),
+            "subtree_tokens": getattr(a, "tree_subtree_tokens", None),
+            "memory_budget": getattr(a, "tree_memory_budget", TreePPOConfig.tree_memory_budget),
             "lm_head_fp32": a.cast_lm_head_to_fp32,
             "gather_per_layer": getattr(a, "tree_gather_per_layer", False),
         }
@@ -307,7 +308,7 @@ class TreePPOTrainer(GRPOTrainer):
                 if training:
                     executor.backward(
                         trie, losses, self.temperature, entropies=True, router_grad=router_grad,
-                        score_from=score_from,
+                        score_from=score_from, entropy_grad=self._entropy_bonus_enabled,
                     )  # fmt: skip
                 else:
                     lps, ents = executor.logprobs(
@@ -362,6 +363,8 @@ class TreePPOTrainer(GRPOTrainer):
         metrics["tree/calls"].append(float(forward + backward))
         metrics["tree/tokens_per_call"].append((executor.calls.tokens - before.tokens) / max(forward, 1))
         metrics["tree/time"].append(seconds)
+        for name, value in vars(executor.budgets).items():  # the budgets in use (memory-derived or given)
+            metrics[f"tree/{name}"].append(float(value))
 
     def _router_grad(self, executor, trie, owners, training, auxes, aux_terms):
         """Each micro-batch's load-balancing loss (into ``auxes``, times its coefficient into ``aux_terms``)

@@ -77,6 +77,11 @@ class PathLayer(DynamicLayer):
         super().__init__()
         self.kv, self.index, self.past_length = kv, index, past_length
 
+    def lazy_initialization(self, key_states, value_states, *args, **kwargs) -> None:
+        # (transformers' makes empty tensors from Python lists: a host-device copy per layer and call)
+        self.device, self.is_initialized = key_states.device, True
+        self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
+
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

@@ -29,6 +29,7 @@ calls is exactly ``sum_i loss_fn(i, logps_i, entropies_i).backward()`` over dens
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -37,10 +38,14 @@ import torch
 from torch import nn
 
 from ..trie import PrefixTrie, TrieNode
+from .budgets import AUTO_FRACTION, FIXED, TokenBudgets, auto_memory_bytes, check_memory_budget
+from .budgets import token_budgets as derive_budgets
 from .checks import check_count
+from .costs import CallCost
 from .errors import ArgumentTypeError, UnsupportedModelError
 from .flops import flops as count_flops
 from .forwards import forward, forward_packed, forward_padded
+from .inputs import WalkInputs
 from .model import CausalLM
 from .path_kv import PathKV
 from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, build_plan
@@ -48,6 +53,13 @@ from .router import RouterGrad, RouterStats, route
 from .scoring import path_scores, score_rows, scored_from
 from .sharding import agree_on, fsdp_units, gathered
 from .state import CallCounts, Frame, OnSequence, SegmentOutputs, Walk, flat_outputs
+
+logger = logging.getLogger(__name__)
+
+
+def _count_or_none(name: str, value, minimum: int = 0):
+    return None if value is None else check_count(name, value, minimum=minimum)
+
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -63,24 +75,33 @@ class TreeExecutor:
             cannot compute exactly raise :class:`~trl_dta.UnsupportedModelError`.
         block_size: most tokens forwarded with an autograd graph kept on the stack, and longest segment. Paths
             longer than that are walked with chunked backward (blocks forwarded without a graph, recomputed
-            with one when popped); logits are never computed for more than a block (or a leaf batch) at once.
+            with one when popped). None: from ``memory_budget``.
         batch_tokens: budget for forwarding sibling leaves together in one call on their shared prefix: their
-            total tokens when packed, rows x longest row when padded. ``None`` means ``block_size``; 0
-            forwards one leaf per call.
+            total tokens when packed, rows x longest row when padded. None: from ``memory_budget`` (without
+            one, ``block_size`` when that is given); 0 forwards one leaf per call.
         lm_head_fp32: compute the LM head projection in float32 (TRL's ``cast_lm_head_to_fp32``).
         pack_leaves: forward a batch of sibling leaves as one packed row with a block-diagonal causal mask
             (no padding, the shared past not replicated per leaf) where the attention backend takes a custom
             mask (eager, sdpa) and the construction probe finds packing exact for the model (no attention
             window, no bias built from key indices such as ALiBi); otherwise, or with False, as a right-padded
             batch.
-        subtree_tokens: where leaves are packed, a subtree (a node and all its descendants) of at most this
-            many tokens is forwarded whole in one packed row with a tree-shaped causal mask and
-            backpropagated in one call (fewer, larger calls; the mask's attention covers the whole row, so
-            larger subtrees trade call overhead for attention work). 0: sibling leaves only.
+        subtree_tokens: where leaves are packed, most tokens of a subtree (a node and all its descendants, or
+            several sibling subtrees and leaves) forwarded whole in one packed row with a tree-shaped causal
+            mask and backpropagated in one call. With budgets from memory, the device kind's cost model
+            (:mod:`trl_dta.walk.costs`; :attr:`call_cost` to set one) decides which calls to merge within
+            them: fewer calls against the attention pairs a dense mask computes for nothing. With the fixed
+            budgets, each leaf batch is filled to its budget and each subtree that fits is packed on its own
+            (the rule measured fastest on CPU). 0: sibling leaves only. None: from ``memory_budget``.
         gather_per_layer: for an FSDP2-sharded model whose gathered parameters do not fit: gather each decoder
             layer only for its own calls and reduce-scatter its gradients after each backward call, the calls
             of all ranks kept in lock-step (:mod:`trl_dta.walk.lockstep`), instead of gathering every unit
             once per walk. Slower: see the README's memory model. Ignored for an unsharded model.
+        memory_budget: bytes of activation memory a walk may use; the budgets not given are derived from it
+            for each trie (:mod:`trl_dta.walk.budgets`: the longest path's graph first, so that nothing is
+            forwarded twice, then the largest calls that fit). "auto": on CUDA, ``AUTO_FRACTION`` of the free
+            memory at the first walk less the first optimizer step's gradients and Adam states; elsewhere,
+            and with None, the fixed budgets measured fastest on CPU (:data:`~trl_dta.walk.budgets.FIXED`).
+            The LM head scores at most ``HEAD_ROWS`` positions at once.
 
     Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
     HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
@@ -89,20 +110,27 @@ class TreeExecutor:
     def __init__(
         self,
         model: nn.Module,
-        block_size: int = 2048,
+        block_size: int | None = None,
         batch_tokens: int | None = None,
         lm_head_fp32: bool = False,
         pack_leaves: bool = True,
-        subtree_tokens: int = 512,
+        subtree_tokens: int | None = None,
         gather_per_layer: bool = False,
+        memory_budget: float | str | None = "auto",
     ):
-        self.block_size = check_count("block_size", block_size, minimum=1)
-        self.batch_tokens = block_size if batch_tokens is None else check_count("batch_tokens", batch_tokens)
-        self.subtree_tokens = check_count("subtree_tokens", subtree_tokens)
+        # budgets given by hand (None: from memory_budget, see token_budgets)
+        self.block_size = _count_or_none("block_size", block_size, minimum=1)
+        self.batch_tokens = _count_or_none("batch_tokens", batch_tokens)
+        self.subtree_tokens = _count_or_none("subtree_tokens", subtree_tokens)
+        self.memory_budget = check_memory_budget(memory_budget)
         self._pack_leaves = bool(pack_leaves)
         self.gather_per_layer = bool(gather_per_layer)
         self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32)
         self.calls = CallCounts()  # model calls of every walk so far (tree/calls, tree/tokens_per_call)
+        self.budgets: TokenBudgets | None = None  # those of the last walk (tree/block_size, ...)
+        # which calls to merge: the device kind's cost model unless set (:mod:`trl_dta.walk.costs`)
+        self.call_cost: CallCost | None = None
+        self._memory: float | None = None  # memory_budget in bytes, once known ("auto": at the first walk)
 
     @property
     def pack_leaves(self) -> bool:
@@ -112,6 +140,50 @@ class TreeExecutor:
     @property
     def device(self) -> torch.device:
         return self.lm.device
+
+    def token_budgets(self, trie: PrefixTrie, entropy_grad: bool = True) -> TokenBudgets:
+        """The budgets a walk of ``trie`` uses: those given to the constructor, the others derived from
+        ``memory_budget`` for this trie's longest path (:func:`trl_dta.walk.budgets.token_budgets`), or the
+        fixed defaults where no memory budget applies (:data:`trl_dta.walk.budgets.FIXED`)."""
+        if self._memory is None and self.memory_budget is not None:
+            if self.memory_budget == "auto":
+                self._memory = auto_memory_bytes(self.lm.model, self.device, AUTO_FRACTION)
+            else:
+                self._memory = float(self.memory_budget)
+        derived = FIXED
+        if self._memory is not None:
+            path = max((n.start for n in trie.nodes() if n.is_leaf), default=0)
+            derived = derive_budgets(
+                self.lm.config, self._dtype(), self._memory, self.device.type, path, entropy_grad
+            )
+        block = derived.block_size if self.block_size is None else self.block_size
+        if self.batch_tokens is not None:
+            batch = self.batch_tokens
+        else:  # a block given by hand: the leaf batch follows it, as before memory budgets
+            batch = block if self.block_size is not None and self._memory is None else derived.batch_tokens
+        subtree = derived.subtree_tokens if self.subtree_tokens is None else self.subtree_tokens
+        budgets = TokenBudgets(block, batch, subtree)
+        if budgets != self.budgets:
+            logger.info("%s: tree walk budgets %s", self.lm.name, budgets)
+        return budgets
+
+    def _dtype(self) -> torch.dtype:
+        """The activations' dtype: autocast's where it is on, else the LM head's weights'."""
+        if torch.is_autocast_enabled(self.device.type):
+            return torch.get_autocast_dtype(self.device.type)
+        return self.lm.lm_head.weight.dtype
+
+    def plan(self, trie: PrefixTrie, entropy_grad: bool = True) -> list:
+        """The steps a walk of ``trie`` runs (:func:`trl_dta.walk.plan.build_plan`) with this executor's
+        budgets and the call cost model of its device and attention kernel; sets :attr:`budgets`."""
+        self.budgets = budgets = self.token_budgets(trie, entropy_grad)
+        subtree = budgets.subtree_tokens if self.pack_leaves else 0
+        costs = self.call_cost
+        if costs is None and self._memory is not None:  # (fixed budgets: each leaf batch filled, as measured)
+            costs = CallCost.for_model(self.lm.config, self.device.type)
+        return build_plan(
+            trie, budgets.block_size, budgets.batch_tokens, self.pack_leaves, subtree, costs=costs
+        )
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -159,6 +231,7 @@ class TreeExecutor:
         entropies: bool = False,
         router_grad: RouterGrad | None = None,
         score_from: Sequence[int] | None = None,
+        entropy_grad: bool = True,
     ) -> float:
         """Accumulate into the trainable parameters' ``.grad`` exactly what
         ``sum_i loss_fn(i, logps_i, entropies_i).backward()`` would with dense per-sequence forwards, and
@@ -169,7 +242,9 @@ class TreeExecutor:
         ``router_grad`` (MoE models): per trie node a vector ``v`` [num_experts]; the gradient of
         ``sum <v, softmax(router logits)>`` over the node's tokens and router layers is added as well. Nodes
         missing from the mapping add nothing. ``score_from``: as in :meth:`logprobs`; ``loss_fn`` then gets
-        each sequence's log-probs from its ``score_from`` index on."""
+        each sequence's log-probs from its ``score_from`` index on. ``entropy_grad=False``: the entropies
+        ``loss_fn`` gets are values without a gradient (for metrics and masks; half the LM head's saved
+        memory); the loss must then not be differentiated through them."""
         if router_grad is not None and not self.lm.is_moe:
             raise ValueError(f"router_grad given, but {self.lm.name} has no MoE router.")
         if router_grad is not None and self.gather_per_layer and fsdp_units(self.lm.model):
@@ -204,15 +279,16 @@ class TreeExecutor:
             return loss
 
         self._walk(
-            trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from
-        )
+            trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from,
+            entropy_grad=entropy_grad,
+        )  # fmt: skip
         return float(sum(t.detach().double() for t in total)) if total else 0.0
 
     # ------------------------------------------------------------------ the walk
     def _walk(
         self, trie: PrefixTrie, temperature: float, entropies: bool, on_sequence: OnSequence, grad: bool,
         router: RouterGrad | RouterStats | None = None, scoring: bool = True,
-        score_from: Sequence[int] | None = None,
+        score_from: Sequence[int] | None = None, entropy_grad: bool = True,
     ) -> None:  # fmt: skip
         if not isinstance(trie, PrefixTrie):
             raise ArgumentTypeError(
@@ -228,11 +304,12 @@ class TreeExecutor:
         with lm.no_gradient_checkpointing(), sharded as lockstep:  # (its final reduction too)
             lm.check_model()
             seq_from, node_from = scored_from(trie, score_from)
-            subtree = self.subtree_tokens if self.pack_leaves else 0
-            plan = build_plan(trie, self.block_size, self.batch_tokens, self.pack_leaves, subtree)
+            entropy_grad = grad and entropies and entropy_grad
+            plan = self.plan(trie, entropy_grad)
             walk = Walk(
                 trie, temperature, entropies, grad, on_sequence, PathKV(self._capacity(plan)), seq_from,
-                node_from, router, scoring, self.calls, lockstep,
+                node_from, router, scoring, self.calls, lockstep, entropy_grad=entropy_grad,
+                inputs=WalkInputs(trie, plan, self.device, self.pack_leaves),
             )  # fmt: skip
             lockstep.start(len(plan), grad)
             for step in plan:
@@ -269,10 +346,6 @@ class TreeExecutor:
             walk.lockstep.backward(total) if walk is not None else total.backward()
         return bool(losses)
 
-    def _segment_ids(self, trie: PrefixTrie, segment: Segment) -> torch.Tensor:
-        tokens = trie.sequences[segment.node.seq][segment.start : segment.end]
-        return torch.as_tensor(tokens, dtype=torch.long, device=self.device)
-
     def _route_rows(self, walk: Walk, node: TrieNode, routers, top: Frame | None, lead: int):
         """MoE: route one row's router logits, whose first ``lead`` tokens are the pending segment ``top``'s:
         those are routed by the first forward that carries them (in exact arithmetic every child's forward
@@ -295,7 +368,7 @@ class TreeExecutor:
         kv_from = segment.start - (0 if top is None else top.pending.numel())
         with torch.set_grad_enabled(with_graph):
             out = self._compute_segment(walk, segment)
-        walk.stack.append(Frame.pushed(segment, out, kv_from, with_graph))
+        walk.stack.append(Frame.pushed(segment, out, kv_from, with_graph, walk.entropy_grad))
         if walk.scoring:
             losses = [
                 walk.on_sequence(i, *path_scores(walk.stack, None, None, 0, walk.seq_from[i]))
@@ -312,7 +385,7 @@ class TreeExecutor:
         one applies) or have no backward. Such a segment is *pending*: only its token's log-prob is computed
         (from the parent's last hidden state), and each child forwards the token again at the head of its
         own forward (one token more per child, exact)."""
-        ids = self._segment_ids(walk.trie, segment)
+        ids = walk.inputs.ids(segment)
         top = walk.pending()
         lead = 0 if top is None else top.pending.numel()
         if top is None and walk.stack and self.lm.has_states and ids.numel() == 1:
@@ -330,8 +403,9 @@ class TreeExecutor:
         first = walk.first_scored(segment.node)
         froms = [max(first, start) if lead else first]
         lps, ents, firsts = score_rows(
-            self.lm, [hidden[0]], [ids], start, walk.parent_hidden(), walk.temperature, walk.entropies, froms
-        )
+            self.lm, [hidden[0]], [ids], start, walk.parent_hidden(), walk.temperature, walk.entropies, froms,
+            walk.entropy_grad,
+        )  # fmt: skip
         ent = ents[0] if walk.entropies else None
         return SegmentOutputs(caches, hidden[:, -1:], lps[0], ent, router_term, firsts[0], None)
 
@@ -343,7 +417,7 @@ class TreeExecutor:
             return SegmentOutputs([], None, parent_hidden.new_zeros(0), None, None, segment.end - 1, ids)
         lps, ents, firsts = score_rows(
             self.lm, [parent_hidden.reshape(1, -1)[:0]], [ids], segment.start, parent_hidden,
-            walk.temperature, walk.entropies, [walk.first_scored(segment.node)],
+            walk.temperature, walk.entropies, [walk.first_scored(segment.node)], walk.entropy_grad,
         )  # fmt: skip
         ent = ents[0] if walk.entropies else None
         return SegmentOutputs([], None, lps[0], ent, None, firsts[0], ids)
@@ -355,7 +429,7 @@ class TreeExecutor:
         segments = step.segments
         top = walk.pending()  # its token heads every row (state models, see _compute_segment)
         lead = 0 if top is None else top.pending.numel()
-        ids = [self._segment_ids(walk.trie, s) for s in segments]
+        ids = [walk.inputs.ids(s) for s in segments]
         if lead:
             ids = [torch.cat([top.pending, t]) for t in ids]
         start = segments[0].start - lead
@@ -383,7 +457,7 @@ class TreeExecutor:
         starts = [start] * len(segments) if lead else [s.start for s in segments]  # (lead: no subtree)
         above = [walk.parent_hidden() if p < 0 else hiddens[p][-1] for p in parents]
         lps, ents, firsts = score_rows(
-            self.lm, hiddens, ids, starts, above, walk.temperature, walk.entropies, froms
+            self.lm, hiddens, ids, starts, above, walk.temperature, walk.entropies, froms, walk.entropy_grad
         )
         pieces = [(lps[r], ents[r] if walk.entropies else None, firsts[r]) for r in range(len(segments))]
         losses = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .model import CausalLM, ForwardResult
-from .packing import packed_inputs
+from .packing import packed_mask
 from .plan import PackedSubtree, SiblingLeaves
 from .state import Walk
 
@@ -48,13 +48,10 @@ def forward_packed(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int
     replicated per row."""
     assert isinstance(step, SiblingLeaves | PackedSubtree)
     lengths = [t.numel() for t in ids]
-    subtree = isinstance(step, PackedSubtree)
-    parents = step.parents if subtree else None
-    starts = [s.start for s in step.segments] if subtree else None
-    dtype = lm.lm_head.weight.dtype
-    positions, mask = packed_inputs(lengths, start, dtype, lm.device, parents=parents, starts=starts)
+    row = walk.inputs.row(step)  # (built on the host with the walk's other index tensors)
+    mask = packed_mask(row, start, lm.lm_head.weight.dtype)
     hidden, _, routers = forward(
-        lm, walk, torch.cat(ids)[None], start, positions=positions, attention_mask=mask
+        lm, walk, torch.cat(ids)[None], start, positions=row.positions[None], attention_mask=mask
     )
     per_row = [None] * len(ids)
     if routers is not None:  # each [total, E]

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 from ..trie import PrefixTrie, TrieNode
 from .checks import check_count
+from .costs import CallCost, needed_pairs
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class _Builder:
     batch_tokens: int
     packed: bool
     subtree_tokens: int = 0
+    costs: CallCost | None = None
     steps: list[Step] = field(default_factory=list)
     graph_tokens: int = 0  # tokens with a kept graph currently on the stack
     _sizes: dict[TrieNode, int] = field(default_factory=dict)  # subtree tokens per node (packed subtrees)
@@ -114,8 +116,14 @@ class _Builder:
                 self._sizes[node] = node.num_tokens + sum(self._sizes[c] for c in node.children)
 
     def _packs_subtree(self, node: TrieNode) -> bool:
-        limit = min(self.subtree_tokens, self.batch_tokens, self.block_size)
-        return self.packed and self.subtree_tokens > 0 and not node.is_leaf and self._sizes[node] <= limit
+        if not self.packed or self.subtree_tokens <= 0 or node.is_leaf:
+            return False
+        if self.costs is None:
+            return self._sizes[node] <= min(self.subtree_tokens, self.batch_tokens, self.block_size)
+        if self._sizes[node] > min(self.subtree_tokens, self.batch_tokens):
+            return False
+        unit = self._subtree(node)
+        return self._unit_cost([unit]) < self.costs.walked([s.node for s in unit.segments])
 
     def _subtree(self, node: TrieNode) -> PackedSubtree:
         segments, parents, todo = [], [], [(node, -1)]
@@ -146,30 +154,65 @@ class _Builder:
             self.graph_tokens -= push.segment.num_tokens
         self.steps.append(Pop(push.segment, push.keep_graph))
 
-    def _flush(self, batch: list[Segment]) -> None:
-        if batch:
-            self.steps.append(SiblingLeaves(tuple(batch)))
-            batch.clear()
+    # ---- one call for several children: sibling leaves, packed subtrees (units)
+    def _flush(self, batch: list[PackedSubtree]) -> None:
+        """One step for the batched units: sibling leaves, or (a subtree among them) a packed row of them."""
+        if not batch:
+            return
+        if all(len(u.segments) == 1 for u in batch):
+            self.steps.append(SiblingLeaves(tuple(u.segments[0] for u in batch)))
+        elif len(batch) == 1:
+            self.steps.append(batch[0])
+        else:
+            segments, parents = [], []
+            for unit in batch:
+                offset = len(segments)
+                segments += unit.segments
+                parents += [p if p < 0 else p + offset for p in unit.parents]
+            self.steps.append(PackedSubtree(tuple(segments), tuple(parents)))
+        batch.clear()
 
-    def _cost(self, batch: list[Segment]) -> int:
-        lengths = [s.num_tokens for s in batch]
-        return sum(lengths) if self.packed else len(lengths) * max(lengths)
+    def _tokens(self, batch: list[PackedSubtree]) -> int:
+        lengths = [u.segments[0].num_tokens for u in batch]
+        if self.packed or any(len(u.segments) > 1 for u in batch):
+            return sum(s.num_tokens for u in batch for s in u.segments)
+        return len(lengths) * max(lengths)  # padded rows
+
+    def _unit_cost(self, batch: list[PackedSubtree]) -> float:
+        segments = [s for u in batch for s in u.segments]
+        past = segments[0].start if len(batch[0].segments) == 1 else batch[0].segments[0].start
+        if not self.packed:
+            width = max(s.num_tokens for s in segments)
+            return self.costs.padded(past, len(segments), width)
+        return self.costs.row(past, sum(s.num_tokens for s in segments), needed_pairs(segments))
+
+    def _fits(self, batch: list[PackedSubtree], unit: PackedSubtree) -> bool:
+        """Whether ``unit`` joins ``batch`` in one call: within the budgets, and (with a cost model) cheaper
+        than two calls."""
+        merged = batch + [unit]
+        leaves = all(len(u.segments) == 1 for u in merged)
+        if self.costs is None:  # fixed budgets: leaves fill a batch, a subtree is a call of its own
+            return leaves and self._tokens(merged) <= self.batch_tokens
+        cap = self.batch_tokens if leaves else min(self.batch_tokens, self.subtree_tokens)
+        if self._tokens(merged) > cap:
+            return False
+        return self._unit_cost(merged) <= self._unit_cost(batch) + self._unit_cost([unit])
 
     def children(self, node: TrieNode) -> Iterator[TrieNode]:
         """Steps for the children of ``node``; yields each child to visit whole before going on."""
-        batch: list[Segment] = []
+        batch: list[PackedSubtree] = []
         for child in self.trie.walk_children(node):
             if child.is_leaf and child.num_tokens <= self.block_size:
-                segment = self._pieces(child)[0]
-                if batch and self._cost(batch + [segment]) > self.batch_tokens:
-                    self._flush(batch)
-                batch.append(segment)
-                continue
-            self._flush(batch)
-            if self._packs_subtree(child):
-                self.steps.append(self._subtree(child))
+                unit = PackedSubtree((self._pieces(child)[0],), (-1,))
+            elif self._packs_subtree(child):
+                unit = self._subtree(child)
             else:
+                self._flush(batch)
                 yield child
+                continue
+            if batch and not self._fits(batch, unit):
+                self._flush(batch)
+            batch.append(unit)
         self._flush(batch)
 
     def visit(self, node: TrieNode) -> Iterator[TrieNode]:
@@ -187,15 +230,22 @@ class _Builder:
 
 
 def build_plan(
-    trie: PrefixTrie, block_size: int, batch_tokens: int, packed: bool = False, subtree_tokens: int = 0
+    trie: PrefixTrie,
+    block_size: int,
+    batch_tokens: int,
+    packed: bool = False,
+    subtree_tokens: int = 0,
+    costs: CallCost | None = None,
 ) -> list[Step]:
     """The list of steps that walks ``trie`` (see the module docstring for the rules); ``packed``: sibling
     leaves are forwarded packed into one row (their budget counts their tokens, not padded rows), and
-    subtrees of at most ``subtree_tokens`` tokens are packed whole (0: never)."""
+    subtrees of at most ``subtree_tokens`` tokens are packed whole (0: never). ``costs``: decide by this cost
+    model which calls to merge, within the budgets (None: fill each leaf batch up to its budget, and pack
+    every subtree that fits, on its own)."""
     block_size = check_count("block_size", block_size, minimum=1)
     batch_tokens = check_count("batch_tokens", batch_tokens)
     subtree_tokens = check_count("subtree_tokens", subtree_tokens)
-    builder = _Builder(trie, block_size, batch_tokens, packed, subtree_tokens)
+    builder = _Builder(trie, block_size, batch_tokens, packed, subtree_tokens, costs)
     visiting = [builder.children(trie.root)]  # the nodes being visited, root first
     while visiting:
         child = next(visiting[-1], None)

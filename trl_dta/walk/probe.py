@@ -29,7 +29,8 @@ from ..compare import relative_error
 from .cache import expand_states, states_of
 from .determinism import check_deterministic
 from .errors import UnsupportedModelError
-from .packing import packed_inputs
+from .inputs import PackedRow
+from .packing import packed_mask
 from .path_kv import PathKV
 
 logger = logging.getLogger(__name__)
@@ -163,9 +164,12 @@ def _check_segments(p: _Probe, dense_prefix, dense_leaves):
 def _packing_is_exact(p: _Probe, states, dense_leaves) -> bool:
     lengths = [len(x) for x in p.leaves]
     try:
-        positions, mask = packed_inputs(lengths, _PREFIX, p.lm.lm_head.weight.dtype, p.device)
+        row = PackedRow.siblings(lengths, _PREFIX, p.device)
+        mask = packed_mask(row, _PREFIX, p.lm.lm_head.weight.dtype)
         tokens = p.ids([t for leaf in p.leaves for t in leaf])
-        hidden, _, _ = p.lm.forward(tokens, _PREFIX, p.kv, states, positions=positions, attention_mask=mask)
+        hidden, _, _ = p.lm.forward(
+            tokens, _PREFIX, p.kv, states, positions=row.positions[None], attention_mask=mask
+        )
         got = p.lm.logits(hidden, 1.0)[0].to(torch.float64).split(lengths)
         err = max(relative_error(g, ref[_PREFIX:]) for g, ref in zip(got, dense_leaves, strict=True))
     except Exception as e:  # noqa: BLE001 - e.g. ALiBi built from a 2-D mask fails on a 4-D one

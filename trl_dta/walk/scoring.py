@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..trie import PrefixTrie, TrieNode
+from .budgets import HEAD_ROWS
 from .errors import ArgumentTypeError
 
 
@@ -54,13 +55,17 @@ def path_scores(stack, logps, ents, leaf_from: int, seq_from: int, above=()):
     return cat_lp, torch.cat([e[c:] for (_, e, _), c in zip(pieces, cut, strict=True)])
 
 
-def score_rows(lm, hiddens, ids, start, parent_hidden, temperature: float, entropies: bool, froms):
+def score_rows(
+    lm, hiddens, ids, start, parent_hidden, temperature: float, entropies: bool, froms, entropy_grad=True
+):
     """Log-probs (and entropies) of each row's tokens (``hiddens[r]``: [L_r, D], ``ids[r]``: [L_r], at
     positions ``start..``): the logits of position ``t`` score token ``t + 1`` (log-prob index ``t``),
     and the parent's last hidden state scores the segment's first token (none at the root). Row ``r``
     is scored from index ``max(froms[r], start - 1)`` on; returns, per row, the log-probs, entropies and
-    that first index. One LM-head call for all rows. ``start`` and ``parent_hidden`` are shared by the rows
-    (sibling leaves), or lists with one per row (the segments of a packed subtree)."""
+    that first index. The LM head runs on all rows' positions together, :data:`HEAD_ROWS` at a time (so that
+    its float32 logits and their gradients are never alive for more positions at once). ``start`` and
+    ``parent_hidden`` are shared by the rows (sibling leaves), or lists with one per row (the segments of a
+    packed subtree). ``entropy_grad=False``: entropies are values only (no graph, half the saved bytes)."""
     rows = len(ids)
     starts = start if isinstance(start, (list, tuple)) else [start] * rows
     parents = parent_hidden if isinstance(parent_hidden, (list, tuple)) else [parent_hidden] * rows
@@ -80,7 +85,15 @@ def score_rows(lm, hiddens, ids, start, parent_hidden, temperature: float, entro
             0, dtype=torch.float64 if hiddens[0].dtype == torch.float64 else torch.float32
         )
         return [empty] * len(ids), ([empty] * len(ids) if entropies else None), firsts
-    logp_all = torch.log_softmax(lm.logits(torch.cat(inputs), temperature), dim=-1)
-    lp = logp_all.gather(-1, torch.cat(targets)[:, None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1) if entropies else None
+    lps, ents = [], []
+    for rows_in, rows_target in zip(
+        torch.cat(inputs).split(HEAD_ROWS), torch.cat(targets).split(HEAD_ROWS), strict=True
+    ):
+        logp_all = torch.log_softmax(lm.logits(rows_in, temperature), dim=-1)
+        lps.append(logp_all.gather(-1, rows_target[:, None]).squeeze(-1))
+        if entropies:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                ents.append(-(logp_all.exp() * logp_all).sum(-1))
+    lp = torch.cat(lps) if len(lps) > 1 else lps[0]
+    ent = (torch.cat(ents) if len(ents) > 1 else ents[0]) if entropies else None
     return list(lp.split(counts)), (list(ent.split(counts)) if entropies else None), firsts

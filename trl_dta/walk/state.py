@@ -21,6 +21,7 @@ import torch
 
 from ..trie import PrefixTrie, TrieNode
 from .cache import KV, LayerCache, expand_states, states_of
+from .inputs import WalkInputs
 from .lockstep import Lockstep
 from .path_kv import PathKV
 from .plan import Segment
@@ -86,13 +87,15 @@ class Frame:
     routed: bool = False  # MoE: a child's forward has already routed the pending token
 
     @classmethod
-    def pushed(cls, segment: Segment, out: SegmentOutputs, kv_from: int, with_graph: bool) -> Frame:
+    def pushed(
+        cls, segment: Segment, out: SegmentOutputs, kv_from: int, with_graph: bool, entropy_grad: bool = True
+    ) -> Frame:
         return cls(
             segment, out.caches, out.last_hidden, out.logps, out.entropies,
             states_in=[{k: handle(t) for k, t in layer.items()} for layer in states_of(out.caches)],
             last_hidden_in=handle(out.last_hidden),
             logps_in=handle(out.logps),
-            entropies_in=handle(out.entropies),
+            entropies_in=handle(out.entropies) if entropy_grad else out.entropies,  # (values only: no handle)
             lp_from=out.lp_from,
             kv_from=kv_from,
             router_term=out.router_term if with_graph else None,
@@ -134,6 +137,8 @@ class Walk:
     calls: CallCounts = field(default_factory=CallCounts)  # counted into the executor's
     lockstep: Lockstep = field(default_factory=Lockstep)  # runs the backward calls through the model
     stack: list[Frame] = field(default_factory=list)
+    entropy_grad: bool = True  # entropies carry a graph (False: values only)
+    inputs: WalkInputs | None = None  # every call's ids and packed-row index tensors, on the device
 
     def first_scored(self, node: TrieNode) -> int:
         return 0 if self.node_from is None else self.node_from[node]

@@ -1,0 +1,153 @@
+"""Budgets from memory: the analytic activation bytes against what autograd saves, the derivation's
+priorities, the executor's use of them (explicit budgets win), and values-only entropies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, dense_grads, grads_of, make_model, max_rel_diff
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from trl_dta import PrefixTrie, TreeExecutor
+from trl_dta.testing.memory import SavedTensorMeter
+from trl_dta.walk.budgets import FIXED, MIN_CALL_TOKENS, TokenBudgets, activation_bytes, token_budgets
+
+SHAPES = dict(vocab_size=2000, hidden_size=256, intermediate_size=704, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
+              attn_implementation="sdpa")  # fmt: skip
+QWEN3_1_7B = Qwen3Config(hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                         num_key_value_heads=8, head_dim=128, num_hidden_layers=28,
+                         vocab_size=151936)  # fmt: skip
+
+
+def _saved_bytes(model, length: int, scored: int, entropies: bool) -> int:
+    """Peak bytes autograd holds (each storage once) for one walk of one sequence, whole in one block."""
+    executor = TreeExecutor(model, block_size=4 * length, memory_budget=None)
+    trie = PrefixTrie.from_sequences([[(7 * t) % 1999 + 1 for t in range(length)]])
+    froms = [length - 1 - scored]
+    loss = lambda i, lp, ent: -lp.sum() - (ent.sum() if ent is not None else 0)  # noqa: E731
+    executor.backward(trie, loss, score_from=froms, entropies=entropies)  # warm: probe, checks
+    with SavedTensorMeter(model, by_storage=True) as meter:
+        executor.backward(trie, loss, score_from=froms, entropies=entropies)
+    return meter.peak
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_activation_bytes_match_saved_bytes(family, dtype):
+    qwen3 = family == "qwen3"
+    cls, config_cls = (Qwen3ForCausalLM, Qwen3Config) if qwen3 else (LlamaForCausalLM, LlamaConfig)
+    config = config_cls(**SHAPES, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = cls(config).to(dtype).train()
+    length, scored = 96, 40
+    per = activation_bytes(config, dtype, entropy_grad=True)
+    kv_values = config.num_hidden_layers * 2 * 2 * 64 * torch.empty((), dtype=dtype).element_size()
+    for entropies in (False, True):
+        measured = _saved_bytes(model, length, scored, entropies)
+        head = per.scored if entropies else activation_bytes(config, dtype, entropy_grad=False).scored
+        predicted = length * (per.token + kv_values) + scored * head
+        assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
+
+
+def test_token_budgets_priorities():
+    bf16 = torch.bfloat16
+    # the tau2-2x8-10k step: 8,704 tokens above its deepest leaf; 60 GB holds them with room for calls
+    budgets = token_budgets(QWEN3_1_7B, bf16, 60e9, "cuda", path_tokens=8704)
+    assert budgets.block_size == 8704 and budgets.batch_tokens >= MIN_CALL_TOKENS
+    assert budgets.subtree_tokens == budgets.batch_tokens
+    # a path that does not fit: the memory is split 2:1, the block smaller than the path
+    split = token_budgets(QWEN3_1_7B, bf16, 20e9, "cuda", path_tokens=8704)
+    assert split.block_size < 8704 and split.block_size == pytest.approx(2 * split.batch_tokens, rel=0.05)
+    # more memory never gives smaller budgets; a CPU caps its calls where larger ones stop paying
+    more = token_budgets(QWEN3_1_7B, bf16, 120e9, "cuda", path_tokens=8704)
+    assert more.block_size == 8704 and more.batch_tokens > budgets.batch_tokens
+    assert token_budgets(QWEN3_1_7B, bf16, 120e9, "cpu", path_tokens=8704).batch_tokens <= 2048
+    # values-only entropies halve the LM head's saved bytes: larger calls in the same memory
+    lean = token_budgets(QWEN3_1_7B, bf16, 60e9, "cuda", path_tokens=8704, entropy_grad=False)
+    assert lean.batch_tokens > budgets.batch_tokens
+    with pytest.raises(ValueError, match="too small"):
+        token_budgets(QWEN3_1_7B, bf16, 1e8, "cuda")
+    with pytest.raises(ValueError, match="memory_bytes"):
+        token_budgets(QWEN3_1_7B, bf16, -1, "cuda")
+    assert TreeExecutor.__init__.__defaults__  # (the executor takes them: TreeExecutor(model, **vars(b)))
+    assert set(vars(budgets)) == {"block_size", "batch_tokens", "subtree_tokens"}
+
+
+def test_executor_budgets_from_memory_and_explicit_ones_win():
+    model = make_model("qwen3", "sdpa", seed=0)
+    trie = PrefixTrie.from_sequences([[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 10], [1, 2, 11]])
+    assert TreeExecutor(model).token_budgets(trie) == FIXED  # CPU "auto": the fixed CPU budgets
+    assert TreeExecutor(model, memory_budget=None).token_budgets(trie) == FIXED
+    derived = TreeExecutor(model, memory_budget=2e6).token_budgets(trie)
+    config, dtype = model.config, model.lm_head.weight.dtype
+    assert derived == token_budgets(config, dtype, 2e6, "cpu", path_tokens=4)
+    given = TreeExecutor(model, block_size=3, memory_budget=2e6).token_budgets(trie)
+    assert given == TokenBudgets(3, derived.batch_tokens, derived.subtree_tokens)
+    fixed = TreeExecutor(model, block_size=3, memory_budget=None).token_budgets(trie)
+    assert fixed == TokenBudgets(3, 3, 512)  # a block by hand: the leaf batch follows it
+    executor = TreeExecutor(model, **vars(TokenBudgets(5, 7, 0)))
+    assert executor.token_budgets(trie) == TokenBudgets(5, 7, 0)
+    with pytest.raises(ValueError, match="memory_budget"):
+        TreeExecutor(model, memory_budget="lots")
+
+
+@pytest.mark.usefixtures("fp64_exact")
+def test_memory_derived_walk_is_exact():
+    """A memory budget too small for the longest path: chunked backward and small calls, still exact."""
+    model = make_model("qwen3", "sdpa", seed=2)
+    base = [1 + (3 * t) % (VOCAB - 1) for t in range(40)]
+    seqs = [base, base[:30] + [5, 6, 7], [1, 2, 3]]
+    loss_fn = lambda i, lp, ent: (lp * torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype)).sum()  # noqa: E731
+    ref, _ = dense_grads(model, seqs, loss_fn)
+    per = activation_bytes(model.config, torch.float64)
+    memory = per.transient * 1024 + 30 * (per.token + per.scored + per.position)
+    executor = TreeExecutor(model, memory_budget=memory)
+    model.zero_grad(set_to_none=True)
+    executor.backward(PrefixTrie.from_sequences(seqs), loss_fn)
+    assert executor.budgets.block_size < 30  # the path does not fit: recomputed at pop
+    assert max_rel_diff(grads_of(model), ref) < 1e-10
+
+
+@pytest.mark.usefixtures("fp64_exact")
+def test_values_only_entropies():
+    """``entropy_grad=False``: a loss that reads entropies gets the gradient of that loss, them detached."""
+    model = make_model("qwen3", "sdpa", seed=3)
+    seqs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9, 10, 11, 12]]
+
+    def loss_fn(i, lp, ent):  # entropies as weights (a mask in TRL), and a term that would differentiate them
+        return (lp * ent.detach()).sum() + 0.5 * ent.sum()
+
+    detached = lambda i, lp, ent: (lp * ent.detach()).sum()  # noqa: E731
+    for block_size in (2, 100):  # chunked backward too: the pop's recompute takes no entropy gradient
+        executor = TreeExecutor(model, block_size=block_size)
+        model.zero_grad(set_to_none=True)
+        executor.backward(PrefixTrie.from_sequences(seqs), loss_fn, entropies=True, entropy_grad=False)
+        got = grads_of(model)
+        model.zero_grad(set_to_none=True)
+        executor.backward(PrefixTrie.from_sequences(seqs), detached, entropies=True)
+        assert max_rel_diff(got, grads_of(model)) < 1e-12
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_host_syncs_do_not_grow_with_calls(family):
+    """Every call's ids, positions and mask indices come from one host-to-device copy per walk: the walk's
+    sync-prone operators (scalar reads, data-dependent shapes, tensors from Python data) stay a constant."""
+    from trl_dta.testing.syncs import SyncCounter
+
+    model = make_model(family, "sdpa", dtype=torch.float32)
+    counts = []
+    for rollouts in (4, 16):
+        seqs = [[1, 2, 3, 4, 5, 6 + i % 7, 7 + i % 5] + [10 + i % 11] * 3 for i in range(rollouts)]
+        trie = PrefixTrie.from_sequences(seqs)
+        executor = TreeExecutor(model, block_size=3, batch_tokens=4, subtree_tokens=6)
+        executor.backward(trie, lambda i, lp, ent: lp.sum(), entropies=True)  # warm: first-call checks
+        before = executor.calls.forward + executor.calls.backward
+        with SyncCounter() as syncs:
+            executor.backward(trie, lambda i, lp, ent: lp.sum(), entropies=True)
+            executor.logprobs(trie)
+        calls = executor.calls.forward + executor.calls.backward - before
+        counts.append((calls, syncs.total, dict(syncs.ops)))
+    (few_calls, few, _), (many_calls, many, ops) = counts
+    assert many_calls > 3 * few_calls  # the check means something: many more calls
+    assert many == few <= 4, ops  # per walk: the inputs' copy, and backward's summed loss

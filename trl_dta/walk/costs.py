@@ -1,0 +1,84 @@
+"""What a model call costs, so that the plan can decide which calls to merge.
+
+One forward + backward call of the walk costs about::
+
+    seconds = fixed + per_token x tokens + per_pair x attention pairs computed
+
+* ``fixed``: per decoder layer, the host's cost of a call whatever its size (kernel launches on a GPU,
+  Python and dispatch on a CPU): :data:`~trl_dta.walk.budgets.DEVICE_COSTS`;
+* ``per_token``: the decoder's matmuls, ``6 x`` the parameters a token runs through (forward + backward),
+  at the device's FLOP rate (the LM head scores the same positions however calls are cut: left out);
+* ``per_pair``: attention, ``12 x`` the query width per query-key pair and layer. A packed row with a dense
+  additive mask (eager, sdpa) computes every pair of its ``tokens x (past + tokens)`` rectangle, masked or
+  not; a block-sparse mask (flex attention's ``BlockMask``) only the tiles that hold a visible pair, about
+  what the tree needs plus a tile's width per row.
+
+Merging two calls saves one ``fixed`` and, with a dense mask, costs the pairs between them that the mask
+hides. A GPU's launches are expensive next to its FLOPs: it merges far more than a CPU does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..trie import TrieNode
+from .budgets import device_costs
+
+TILE = 128  # flex attention's default block size: a block-sparse row computes up to a tile past what it needs
+
+
+def needed_pairs(nodes) -> int:
+    """Query-key pairs the tree needs for ``nodes`` (trie nodes, or segments with ``start``/``end``): each
+    token attends every token before it on its path."""
+    total = 0
+    for n in nodes:
+        length = n.end - n.start
+        total += length * n.start + length * (length + 1) // 2
+    return total
+
+
+@dataclass(frozen=True)
+class CallCost:
+    """Seconds of one forward + backward call of a given model on a given device kind (module docstring)."""
+
+    fixed: float
+    per_token: float
+    per_pair: float
+    block_sparse: bool = False
+
+    @classmethod
+    def for_model(cls, config, device_type: str, block_sparse: bool = False) -> CallCost:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        device = device_costs(device_type)
+        d, heads = config.hidden_size, getattr(config, "num_attention_heads", None) or 0  # (0: state models)
+        head_dim = getattr(config, "head_dim", None) or (d // heads if heads else 0)
+        q = heads * head_dim
+        kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+        inner = getattr(config, "intermediate_size", None) or 4 * d
+        experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        if experts:
+            inner = (getattr(config, "num_experts_per_tok", None) or 1) * (
+                getattr(config, "moe_intermediate_size", None) or inner
+            )
+        layers = config.num_hidden_layers
+        params = 2 * d * q + 2 * d * kv + 3 * d * inner  # per layer: attention projections, gated MLP
+        return cls(
+            fixed=device.layer_call_s * layers,
+            per_token=6 * params * layers / device.flop_rate,
+            per_pair=12 * q * layers / device.flop_rate,
+            block_sparse=block_sparse,
+        )
+
+    def row(self, past: int, tokens: int, needed: int) -> float:
+        """One call forwarding ``tokens`` packed tokens on a past of ``past`` tokens, the tree needing
+        ``needed`` of their query-key pairs."""
+        pairs = needed + tokens * TILE if self.block_sparse else tokens * (past + tokens)
+        return self.fixed + self.per_token * tokens + self.per_pair * min(pairs, tokens * (past + tokens))
+
+    def padded(self, past: int, rows: int, width: int) -> float:
+        """One call forwarding ``rows`` right-padded rows of ``width`` tokens on a past of ``past`` tokens."""
+        return self.fixed + rows * (self.per_token * width + self.per_pair * width * (past + width))
+
+    def walked(self, nodes: list[TrieNode]) -> float:
+        """The walk of a subtree (``nodes``) node by node: a call per node, each on its own path."""
+        return sum(self.row(n.start, n.num_tokens, needed_pairs([n])) for n in nodes)
