@@ -176,10 +176,8 @@ class TreeSFTTrainer(SFTTrainer):
 
     # ------------------------------------------------------------------ the training loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if return_outputs or not (self.model.training and torch.is_grad_enabled()):
-            return super().compute_loss(
-                model, inputs, return_outputs, num_items_in_batch
-            )  # evaluation: TRL's
+        if return_outputs or not (self.model.training and torch.is_grad_enabled()):  # evaluation: TRL's
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         walked = self._walked_in_step(model, inputs, num_items_in_batch)
         self._log_metrics(inputs, walked)
         device = inputs["input_ids"].device
@@ -324,8 +322,7 @@ class TreeSFTTrainer(SFTTrainer):
         were: what ``tree_check_gradients`` (and anyone checking the walk) compares the walk against."""
         with self._state_kept():
             loss = SFTTrainer.compute_loss(self, model, dict(inputs), num_items_in_batch=num_items_in_batch)
-        _, grads = self._scales([inputs], num_items_in_batch)
-        values, _ = self._scales([inputs], num_items_in_batch)
+        values, grads = self._scales([inputs], num_items_in_batch)
         return loss * (grads[0] / values[0])
 
     @contextmanager
