@@ -79,6 +79,20 @@ def test_full_sequence_loss_without_num_items(tmp_path):
     assert_parity(tmp_path, tool_conversations(), model_fn=model_without_loss_kwargs)
 
 
+@pytest.mark.parametrize("loss_kwargs", [True, False], ids=["num-items", "no-num-items"])
+def test_epoch_end_with_fewer_micro_batches(tmp_path, loss_kwargs):
+    """6 rows, 2 per micro-batch, accumulation 2: the epoch's second step has one micro-batch (the Trainer's
+    current_gradient_accumulation_steps is 1 there)."""
+
+    def model():
+        m = tiny_model()
+        m.accepts_loss_kwargs = loss_kwargs
+        return m
+
+    assert_parity(tmp_path, tool_conversations(6), model_fn=model, max_steps=-1, num_train_epochs=1,
+                  assistant_only_loss=True)  # fmt: skip
+
+
 def test_lora(tmp_path):
     from peft import LoraConfig
 
