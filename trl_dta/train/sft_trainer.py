@@ -16,8 +16,10 @@ accumulation, logging, evaluation, checkpointing, saving. What changes:
   ``num_tokens``, as TRL computes them per micro-batch, and ``tree/*`` of each walk.
 * Evaluation (no gradients) runs TRL's own dense ``compute_loss``.
 * DDP: the walk runs on the unwrapped module and the gradients are averaged once per step; TRL's per-rank
-  batches are kept. FSDP, DeepSpeed, context/sequence parallelism are refused, as are settings whose loss
-  the walk cannot compute from its log-probs and entropies (label smoothing, ``compute_loss_func``, Liger
+  batches are kept. FSDP2: each walk gathers the sharded parameters once and reduce-scatters the gradients
+  once (:mod:`trl_dta.walk.sharding`). FSDP1, DeepSpeed, context/sequence parallelism are refused (the
+  distributed check is ``TreePPOTrainer``'s, imported from ``trainer.py``), as are settings whose loss the
+  walk cannot compute from its log-probs and entropies (label smoothing, ``compute_loss_func``, Liger
   kernels), multimodal data, MoE load balancing (``router_aux_loss_coef``), fp16, activation offloading.
 """
 
@@ -30,16 +32,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from accelerate.utils import DistributedType
+from torch.distributed.tensor import DTensor
 from trl import SFTTrainer
 
 from ..trie import PrefixTrie
 from ..walk.determinism import disable_randomness
 from ..walk.executor import TreeExecutor
+from ..walk.sharding import fsdp_units
 from . import distributed
 from .gradient_check import GradientCheck
 from .sft_config import TreeSFTConfig
 from .sft_rows import Sample, batch_samples, num_input_tokens, trained_tokens
+from .trainer import _check_distributed as check_distributed  # (shared: see the module docstring)
 
 # the accuracy pass: at this temperature the label's log-prob is > -(log V + 1) iff it is the top-1 token
 # (unless its logit is within ~1e-5 of the top one: a tie up to float rounding)
@@ -152,13 +156,7 @@ class TreeSFTTrainer(SFTTrainer):
         parallelism = self.accelerator.parallelism_config
         if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
             raise ValueError("context and sequence parallelism are not supported by the tree walk.")
-        kind = self.accelerator.distributed_type
-        if not (kind == DistributedType.NO or str(kind.value).startswith("MULTI_")):
-            raise ValueError(
-                f"{kind} is not supported by TreeSFTTrainer: the walk makes many forward and backward calls "
-                "per step, and FSDP / DeepSpeed ZeRO gather and reduce on each. Use DDP (multi-GPU / "
-                "multi-CPU) or a single process."
-            )
+        check_distributed(self.accelerator)  # TreePPOTrainer's rule: single process, DDP or FSDP2
         if self._multi_process and self._tree_check:
             raise ValueError("tree_check_gradients runs on a single process only.")
 
@@ -182,8 +180,12 @@ class TreeSFTTrainer(SFTTrainer):
         self._log_metrics(inputs, walked)
         device = inputs["input_ids"].device
         if self._multi_process and self.accelerator.sync_gradients:
-            # the walk ran on the unwrapped module (no DDP hooks): average the accumulated gradients once
-            distributed.all_reduce_gradients([p for p in model.parameters() if p.requires_grad])
+            # the walk ran on the unwrapped module (no DDP hooks): average the accumulated gradients once (on
+            # an FSDP2 model the walk has reduce-scattered the sharded ones itself: only parameters left out
+            # of every FSDP2 unit are averaged here)
+            plain = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+            if plain:
+                distributed.all_reduce_gradients(plain)
         return torch.zeros((), device=device, requires_grad=True) + walked.loss  # gradients are in .grad
 
     def _walked_in_step(self, model, inputs, num_items_in_batch) -> _MicroBatch:
@@ -240,6 +242,8 @@ class TreeSFTTrainer(SFTTrainer):
         values, grads = self._scales(batches, num_items)
         out = [_MicroBatch() for _ in batches]
         if not samples:
+            if self._multi_process and fsdp_units(self.accelerator.unwrap_model(model)):
+                self._idle_walks(model)  # the other ranks' walks gather and reduce: take part
             return out
         trie = PrefixTrie.from_sequences([s.tokens for s in samples])
         score_from = [s.score_from for s in samples]
@@ -268,6 +272,17 @@ class TreeSFTTrainer(SFTTrainer):
             result.terms = []
         self._log_walk(trie, executor, before, score_from, time.perf_counter() - started)
         return out
+
+    def _idle_walks(self, model) -> None:
+        """A rank with nothing to train this step on a sharded model makes the walks the other ranks make
+        (backward, and the accuracy pass), on a two-token trie with a zero loss, so that FSDP2's collectives
+        match on every rank."""
+        executor = self._executor(model)
+        idle = PrefixTrie.from_sequences([[0, 1]])
+        with self.accelerator.autocast():
+            executor.backward(idle, lambda i, logps, entropies: logps.sum() * 0.0)
+            if self._tree_accuracy:
+                executor.logprobs(idle, ACCURACY_TEMPERATURE)
 
     def _count_correct(self, executor, trie, samples, score_from, out) -> None:
         """TRL's ``is_top1`` per trained token, from a no-graph walk at a temperature of ~0: there a label's
