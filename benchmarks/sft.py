@@ -20,7 +20,7 @@ step trains ``--conversations`` samples):
 
 Variants, in turn, ``--repeats`` times (each a fresh trainer, same initial weights): stock ``SFTTrainer``
 ± gradient checkpointing, ± ``padding_free``; ``TreeSFTTrainer`` (± ``padding_free``, walked as the same
-samples). Measured per run: the wall time of one optimizer step (the walk's one-time construction probe runs
+samples; ``tree+block-16k``: ``tree_block_size=16384``, no chunked backward on these paths). Measured per run: the wall time of one optimizer step (the walk's one-time construction probe runs
 before it, outside the timing), the peak memory it adds (CPU: resident set, ``PeakMemory``
 of benchmarks/common.py; CUDA: allocated bytes); reported as medians, with the step's dedup ratio (tokens /
 unique tokens of its trie) and TRL's loss of that step (equal for all variants up to float rounding).
@@ -47,13 +47,15 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "recipes"))  # the offline SmolLM2
 
-VARIANTS = {  # name -> (tree, gradient checkpointing, padding_free)
-    "stock": (False, False, False),
-    "stock+gc": (False, True, False),
-    "stock+padding-free": (False, False, True),
-    "stock+gc+padding-free": (False, True, True),
-    "tree": (True, False, False),
-    "tree+padding-free": (True, False, True),
+VARIANTS = {  # name -> (tree, gradient checkpointing, padding_free, tree options)
+    "stock": (False, False, False, {}),
+    "stock+gc": (False, True, False, {}),
+    "stock+padding-free": (False, False, True, {}),
+    "stock+gc+padding-free": (False, True, True, {}),
+    "tree": (True, False, False, {}),
+    "tree+padding-free": (True, False, True, {}),
+    # paths longer than the CPU default block (2048) walked without chunked backward's recompute
+    "tree+block-16k": (True, False, False, {"tree_block_size": 16384}),
 }
 
 
@@ -112,7 +114,7 @@ def run_variant(name, data, model_path, tokenizer, args, device):
 
     from trl_dta import TreeSFTConfig, TreeSFTTrainer
 
-    tree, checkpointing, padding_free = VARIANTS[name]
+    tree, checkpointing, padding_free, options = VARIANTS[name]
     config_cls, trainer_cls = (TreeSFTConfig, TreeSFTTrainer) if tree else (SFTConfig, SFTTrainer)
     batch = max(len(data) // 2, 1)
     config = config_cls(
@@ -122,7 +124,7 @@ def run_variant(name, data, model_path, tokenizer, args, device):
         use_cpu=device == "cpu",
         gradient_checkpointing=checkpointing, activation_checkpointing=checkpointing, logging_steps=1,
         save_strategy="no", report_to="none", seed=0, disable_tqdm=True, shuffle_dataset=False,
-        train_sampling_strategy="sequential", dataloader_num_workers=0,
+        train_sampling_strategy="sequential", dataloader_num_workers=0, **options,
     )  # fmt: skip
     timer = StepTimer(device)
     trainer = trainer_cls(model=load_model(model_path, args.layers), args=config,
