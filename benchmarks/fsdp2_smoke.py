@@ -4,8 +4,8 @@ One process (world size 1: FSDP2's code paths, not its communication): a Qwen3 m
 weights, no download), sharded with ``fully_shard`` per decoder layer and at the root as accelerate's FSDP2
 does, walks a GRPO-shaped trie. It reports the gradient error against the dense per-sequence gradients of
 the same model unsharded, FSDP2's all-gathers and reduce-scatters per walk (one per unit expected), and
-the peak memory of the walk against the README's memory model (gathered parameters + unsharded gradient
-accumulator, activations aside). Exits non-zero if the gradients or the counts are off.
+the peak memory of the walk against docs/multi-process.md's memory model (gathered parameters + unsharded
+gradient accumulator, activations aside). Exits non-zero if the gradients or the counts are off.
 
     python benchmarks/fsdp2_smoke.py [--device cuda] [--hidden 1024 --layers 8] [--out OUT_DIR]
 """

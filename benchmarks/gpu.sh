@@ -18,12 +18,16 @@
 #      tries, plus the executor's chunked-backward and unpacked-leaves paths; fails the script on a mismatch;
 #   4. FSDP2 smoke test: `fsdp2_smoke.py`, gather-once and per-layer (world size 1, fp32: the walk on a
 #      fully_shard-ed model against dense gradients, FSDP2's gathers and reductions per walk, the walk's CUDA
-#      peak against the README's memory model); ~1 min; fails the script on a mismatch;
+#      peak against docs/multi-process.md's memory model); ~1 min; fails the script on a mismatch;
+#   4b. the device-sized walk: `device_walk.py` (flex attention's fp32 exactness on random tries, failing the
+#      script above 1e-5; then a Qwen3-1.7B-shaped walk with memory_budget="auto", sdpa and flex side by side:
+#      budgets, calls, walk vs dense, CUDA peak, recompute, host syncs per walk); ~2 min;
 #   5. the GPU plan on paper: `launch_model.py` (kernels and FLOPs per step, walk vs dense, for Qwen3-1.7B on
 #      the tau2-2x8-10k shape: the predicted speedup the benchmark's tau2 row then checks); ~2 min on CPU;
 #   6. benchmark: `peers.py --profile gpu` (Qwen3-0.6B then 1.7B shapes, random weights, bf16, sdpa and
 #      flash-attn if installed, 4k-16k contexts, torch.cuda.max_memory_allocated), tables in OUT_DIR.
-# Outputs (OUT_DIR): env.txt, parity.json, parity.log, fsdp2_smoke*.json, fsdp2_smoke.log, launch_model.json,
+# Outputs (OUT_DIR): env.txt, parity.json, parity.log, fsdp2_smoke*.json, fsdp2_smoke.log, flex_parity.json,
+# device_walk.json, device_walk.log, launch_model.json,
 # launch_model.log, peers_gpu.json,
 # peers_gpu.md, peers_gpu.log and the plots peers_gpu_speedup.png, peers_gpu_memory.png.
 set -euo pipefail
@@ -65,7 +69,7 @@ for f in "$PEERS" benchmarks/common.py benchmarks/peer_bench/__init__.py; do
     test -f "$f" || { echo "missing $f"; exit 1; }
 done
 "$PY" -m py_compile "$PEERS" benchmarks/common.py benchmarks/peer_bench/*.py benchmarks/fsdp2_smoke.py \
-    benchmarks/launch_model.py
+    benchmarks/launch_model.py benchmarks/device_walk.py
 bash -n "${BASH_SOURCE[0]}"
 "$PY" - <<'PY' | tee "$OUT_DIR/env.txt"
 import sys, time
@@ -100,9 +104,15 @@ if [ $DRY = 1 ]; then
         "$PY" benchmarks/fsdp2_smoke.py --device cpu --hidden 256 --layers 4 $mode --out "$OUT_DIR" 2>&1 \
             | tee -a "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 15
     done
-    echo "== launch model on CPU (lengths x 1/8)"
-    "$PY" benchmarks/launch_model.py --scale 0.125 --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/launch_model.log" \
-        | grep -v -i warn | tail -n 2
+    echo "== soak on CPU (optional: benchmarks/soak.py --mode executor, 20 steps)"
+    "$PY" benchmarks/soak.py --mode executor --device cpu --steps 20 --every 5 --warmup 5 --oom_at 8 --hidden 64 \
+        --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/soak.log" | grep -v -i warn | tail -n 3 || echo "soak: failed (not fatal)"
+    echo "== launch model on CPU (lengths x 1/8, 60e9 B, flex and sdpa)"
+    "$PY" benchmarks/launch_model.py --scales 0.125 --cards "" --out "$OUT_DIR" 2>&1 \
+        | tee "$OUT_DIR/launch_model.log" | grep -v -i warn | tail -n 2
+    echo "== device-sized walk on CPU (smoke: 1 layer, lengths x 1/32, sdpa only)"
+    "$PY" benchmarks/device_walk.py --device cpu --layers 1 --scale 0.03125 --repeats 1 --out "$OUT_DIR" 2>&1 \
+        | tee "$OUT_DIR/device_walk.log" | grep -v -i warn | tail -n 2
     echo "== smallest configuration on CPU (tiny model, the GPU profile's first shape x 1/32, bf16, 1 repeat)"
     "$PY" "$PEERS" --profile gpu --device cpu --models tiny --attn sdpa --dtype bfloat16 --scale 0.03125 \
         --shapes grpo-4k-g16 --no_sweep --repeats 1 --threads 1 --out "$OUT_DIR" 2>&1 \
@@ -130,10 +140,26 @@ for mode in "" --per_layer; do
         2>&1 | tee -a "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 15 || fsdp_rc=$?
 done
 
+# ---- 4b. the device-sized walk (issue 27): flex's fp32 exactness on random tries (fails the script), then the
+# Qwen3-1.7B-shaped walk with memory_budget="auto" on tau2-2x8-10k x 1/8, sdpa and flex side by side: budgets,
+# calls, walk vs dense time, CUDA peak, recompute, flex vs sdpa gradients, host syncs per walk; ~2 min
+echo "== device-sized walk, cuda (flex parity, then sdpa vs flex)"
+walk_rc=0
+timeout 240 "$PY" benchmarks/device_walk.py --device cuda --scale 0.125 --out "$OUT_DIR" 2>&1 \
+    | tee "$OUT_DIR/device_walk.log" | grep -v -i warn | tail -n 8 || walk_rc=$?
+
+# ---- optional: soak (benchmarks/soak.py --mode executor: 200 walks + SGD steps on tries of changing shapes, an
+# injected out-of-memory retry at step 60; CUDA allocated / max allocated / reserved every 10 steps, in
+# soak_executor.json and soak_executor.png); ~1 min; a failure is reported, not fatal
+echo "== soak, cuda (optional)"
+timeout 150 "$PY" benchmarks/soak.py --mode executor --device cuda --steps 200 --oom_at 60 --hidden 1024 \
+    --out "$OUT_DIR" --plot "$OUT_DIR/soak_executor.png" 2>&1 | tee "$OUT_DIR/soak.log" | grep -v -i warn \
+    | tail -n 3 || echo "soak: failed (not fatal)"
+
 # ---- 5. the GPU plan on paper (CPU-side counts; the benchmark's tau2 row measures what it predicts)
 echo "== launch model (kernels and FLOPs per step, Qwen3-1.7B, tau2-2x8-10k)"
-timeout 300 "$PY" benchmarks/launch_model.py --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/launch_model.log" \
-    | grep -v -i warn | tail -n 3 || echo "launch model: failed (not fatal)"
+timeout 300 "$PY" benchmarks/launch_model.py --scales 0.125 --out "$OUT_DIR" 2>&1 \
+    | tee "$OUT_DIR/launch_model.log" | grep -v -i warn | tail -n 6 || echo "launch model: failed (not fatal)"
 
 # ---- 6. the peer benchmark (bf16)
 echo "== peer benchmark, bf16, cuda ($ATTN), budget ${BENCH_BUDGET}s"
@@ -141,7 +167,9 @@ rc=0
 timeout "$BENCH_TIMEOUT" "$PY" "$PEERS" --profile gpu --attn "$ATTN" --time_budget "$BENCH_BUDGET" \
     --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/peers_gpu.log" | grep -v -i warn | tail -n 80 || rc=$?
 ls -la "$OUT_DIR"
-echo "== parity exit $parity_rc, FSDP2 smoke exit $fsdp_rc, benchmark exit $rc ($(date -u +%FT%TZ))"
+echo "== parity exit $parity_rc, FSDP2 smoke exit $fsdp_rc, device walk exit $walk_rc, benchmark exit $rc" \
+    "($(date -u +%FT%TZ))"
 [ "$parity_rc" = 0 ] || exit "$parity_rc"
 [ "$fsdp_rc" = 0 ] || exit "$fsdp_rc"
+[ "$walk_rc" = 0 ] || exit "$walk_rc"
 exit "$rc"

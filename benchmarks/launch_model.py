@@ -10,8 +10,10 @@ runs with 1 and 2 layers (operators grow linearly in layers). Then, per optimize
 * launch floor = kernels x launch cost;
 * compute time = FLOPs / (peak x utilisation): dense's from ``trl_dta.walk.flops`` (x3 for forward +
   backward); the walk's from its plan, call by call: every token it forwards (those recomputed at pop
-  twice), the attention pairs its kernel computes (a dense mask: each packed row's whole rectangle; flex
-  attention's block-sparse mask: the pairs the tree needs plus a tile per row), the LM head where scored.
+  twice), the attention pairs its kernel computes (sdpa, which gets a mask on a cached past: each call's
+  whole rectangle; flex attention's block-sparse mask: the pairs the tree needs plus a tile per row), the
+  LM head where scored. Dense's attention counts only the causal pairs (a flash kernel's): a bound that
+  favours dense.
 
 The walk's budgets are those ``trl_dta.walk.budgets.token_budgets`` picks for Qwen3-1.7B in bf16 within
 ``--memory`` bytes (default: 60e9, and what an 80 GB and a 141 GB GPU leave after 16 bytes per parameter
@@ -108,9 +110,9 @@ def plan_flops(lm, trie, froms, plan, block_sparse: bool) -> dict:
             continue
         tokens = sum(s.num_tokens for s in segments)
         past = segments[0].start
+        # sdpa takes a mask on a cached past (its kernel computes the whole rectangle); flex the BlockMask's
+        # tiles, about the pairs needed plus a tile per row
         pairs = needed_pairs(segments) + tokens * TILE if block_sparse else tokens * (past + tokens)
-        if not block_sparse and len(segments) == 1:
-            pairs = needed_pairs(segments)  # one row on its past: a causal kernel skips the upper half
         pairs = min(pairs, tokens * (past + tokens))
         cost = body * tokens + attention * pairs
         total += 3 * cost + (cost if recompute else 0)

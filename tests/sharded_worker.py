@@ -9,6 +9,7 @@ walk. Rank 0 writes the results to ``argv[1]``; argv[2:] are the case names (see
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
@@ -23,6 +24,7 @@ from conftest import VOCAB, make_model  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor, lexicographic_partition  # noqa: E402
 from trl_dta.compare import relative_error  # noqa: E402
+from trl_dta.testing.oom import InjectOOM  # noqa: E402
 
 # case -> (model, executor options)
 CASES = {
@@ -40,6 +42,9 @@ CASES = {
     # the last rank has nothing to walk and walks a two-token trie with a zero loss (as the trainer does)
     "qwen3-idle-rank": ("qwen3", {"idle": True}),
     "qwen3-per-layer-idle-rank": ("qwen3", {"gather_per_layer": True, "block_size": 4, "idle": True}),
+    # out of memory on one rank only: rank 0 at the 2nd forward of its gradient walks, rank 1 at the 1st of
+    # its log-prob walks (trl_dta/walk/recovery.py): every rank walks again, nothing reduced before
+    "qwen3-oom-rank0": ("qwen3", {"block_size": 4, "batch_tokens": 6, "oom": {"backward": 0, "logprobs": 1}}),
 }
 
 COUNTS = {"all_gather": 0, "reduce_scatter": 0, "backward": 0, "forward": 0}
@@ -165,10 +170,18 @@ def _gather_steps(executor, trie) -> list[int]:
     return out
 
 
+def _inject(oom: dict, walk: str, rank: int, model, at: int):
+    """Out of memory at the ``at``-th forward of decoder layer 0, on the rank ``oom[walk]`` names."""
+    if oom.get(walk) != rank:
+        return contextlib.nullcontext()
+    return InjectOOM(decoder_layers(model)[0], at)
+
+
 def run_case(case: str, rank: int, world: int) -> dict:
     kind, options = CASES[case]
     options = dict(options)
     idle = options.pop("idle", False)
+    oom = options.pop("oom", {})
     reference_model = build(kind)
     reference_walk = TreeExecutor(reference_model, **options)
     model = shard(build(kind), kind)
@@ -197,8 +210,11 @@ def run_case(case: str, rank: int, world: int) -> dict:
         def loss(j, lp, ent, part=part):
             return loss_for(part[j])(lp, ent) if part else lp.sum() * 0.0
 
-        executor.backward(trie, loss, entropies=True)
+        retried = executor.oom_recovery.retried
+        with _inject(oom, "backward", rank, model, at=2):
+            executor.backward(trie, loss, entropies=True)
         hook.remove()
+        retries = [executor.oom_recovery.retried - retried]
         walk_counts = dict(COUNTS)
         walk_counts["steps_all_ranks"] = _gather_steps(executor, trie)
         grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
@@ -207,8 +223,11 @@ def run_case(case: str, rank: int, world: int) -> dict:
         stock_err = None if stock is None else relative_error({n: stock[n] for n in ref}, ref, tiny=1e-6)
         for k in COUNTS:
             COUNTS[k] = 0
-        with torch.no_grad():
+        retried = executor.oom_recovery.retried
+        with torch.no_grad(), _inject(oom, "logprobs", rank, model, at=1):
             logps = executor.logprobs(trie)
+        retries.append(executor.oom_recovery.retried - retried)
+        with torch.no_grad():
             dense = [
                 torch.log_softmax(
                     reference_model(input_ids=torch.tensor(seqs[i])[None]).logits[0, :-1].float(), -1
@@ -228,6 +247,8 @@ def run_case(case: str, rank: int, world: int) -> dict:
                 "counts": walk_counts,
                 "logprob_counts": dict(COUNTS),
                 "sequences": len(part),
+                "retries": retries,  # (gradient walk, log-prob walk)
+                "block_size": executor.block_size,
             }
         )
     return out

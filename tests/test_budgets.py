@@ -151,3 +151,58 @@ def test_host_syncs_do_not_grow_with_calls(family):
     (few_calls, few, _), (many_calls, many, ops) = counts
     assert many_calls > 3 * few_calls  # the check means something: many more calls
     assert many == few <= 4, ops  # per walk: the inputs' copy, and backward's summed loss
+
+
+def _random_rows(seed: int):
+    """Packed rows of random trees (parents first) with their segment lengths, and a past length."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 7, (), generator=gen))
+    parents = [-1] + [int(torch.randint(-1, k, (), generator=gen)) for k in range(1, n)]
+    lengths = [int(torch.randint(1, 90, (), generator=gen)) for _ in range(n)]
+    return parents, lengths, int(torch.randint(0, 200, (), generator=gen))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_mask_is_the_packed_mask(seed):
+    """Flex attention's BlockMask of a packed row admits exactly the pairs of the additive mask (sdpa's),
+    tile by tile and pair by pair (flex's kernels need CUDA; benchmarks/gpu.sh checks its gradients)."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    from trl_dta.trie import TrieNode
+    from trl_dta.walk.inputs import WalkInputs
+    from trl_dta.walk.packing import causal_block_mask, packed_block_mask, packed_mask
+    from trl_dta.walk.plan import PackedSubtree, Segment
+
+    parents, lengths, past = _random_rows(seed)
+    starts = []
+    for parent in parents:
+        starts.append(past if parent < 0 else starts[parent] + lengths[parent])
+    segments = tuple(
+        Segment(TrieNode(None, s, s + n, 0), s, s + n) for s, n in zip(starts, lengths, strict=True)
+    )
+    step = PackedSubtree(segments, tuple(parents))
+    trie = PrefixTrie.from_sequences([list(range(1, max(s.end for s in segments) + 1))])
+    row = WalkInputs(trie, [step], torch.device("cpu"), packed=True).row(step)
+    visible = packed_mask(row, past, torch.float32)[0, 0] == 0
+    block = packed_block_mask(row, past)
+    tokens = sum(lengths)
+    q, kv = torch.arange(tokens)[:, None], torch.arange(past + tokens)[None, :]
+    assert torch.equal(block.mask_mod(0, 0, q, kv), visible)
+    assert torch.equal(block.to_dense()[0, 0].bool(), _tiles(visible, block.BLOCK_SIZE))
+    causal = causal_block_mask(tokens, past, "cpu")
+    assert torch.equal(causal.mask_mod(0, 0, q, kv), kv <= q + past)
+
+
+def _tiles(visible: torch.Tensor, size) -> torch.Tensor:
+    """Which tiles of ``visible`` hold a visible pair."""
+    rows, cols = size if isinstance(size, tuple) else (size, size)
+    q, k = visible.shape
+    padded = torch.zeros(-(-q // rows) * rows, -(-k // cols) * cols, dtype=torch.bool)
+    padded[:q, :k] = visible
+    return padded.view(padded.shape[0] // rows, rows, -1, cols).any(dim=(1, 3))
+
+
+def test_flex_attention_is_refused_on_cpu():
+    from trl_dta import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="flex_attention.*CUDA only"):
+        TreeExecutor(make_model("qwen3", "flex_attention", dtype=torch.float32))

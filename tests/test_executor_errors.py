@@ -48,8 +48,11 @@ def test_gradient_checkpointing_is_suspended_and_restored():
 
 def test_unsupported_attention_implementation():
     model = make_model("qwen3", "sdpa")
-    model.config._attn_implementation = "flex_attention"
-    with pytest.raises(UnsupportedModelError, match="attention implementation 'flex_attention'"):
+    model.config._attn_implementation = "sdpa_paged"
+    with pytest.raises(UnsupportedModelError, match="attention implementation 'sdpa_paged'"):
+        TreeExecutor(model)
+    model.config._attn_implementation = "flex_attention"  # supported on CUDA only (no flex backward on CPU)
+    with pytest.raises(UnsupportedModelError, match="flex_attention.*CUDA only"):
         TreeExecutor(model)
 
 

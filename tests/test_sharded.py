@@ -53,13 +53,21 @@ def check_case(case: str, result: dict) -> None:
             assert walk["logp_error"] <= FP32
         counts = walk["counts"]
         if "per-layer" in case:
-            # every unit reduces after each backward through the model (dummies included), and each layer is
-            # gathered for every forward (counted at layer 0, dummies included) and every backward; the root
-            # once. The same on every rank, whatever its own number of steps.
-            backward, rest = divmod(counts["reduce_scatter"], trainable_units)
+            # every layer reduces after each backward through the model (dummies included), the root once at
+            # the end (LoRA: nothing to reduce there); each layer is gathered for every forward (counted at
+            # layer 0, dummies included) and every backward, the root once. The same on every rank, whatever
+            # its own number of steps.
+            layers = units - 1
+            backward, rest = divmod(counts["reduce_scatter"] - (trainable_units - layers), layers)
             assert rest == 0 and backward >= 2, walk  # (at least one real and the final flush)
-            assert counts["all_gather"] == 1 + (units - 1) * (counts["forward"] + backward), walk
+            assert counts["all_gather"] == 1 + layers * (counts["forward"] + backward), walk
             assert walk["logprob_counts"]["reduce_scatter"] == 0
+        elif "oom" in case:
+            # rank 0 ran out of memory in the gradient walk, rank 1 in the log-prob walk: every rank walked
+            # again (every unit gathered twice), and the gradients were reduced once, after the retry
+            assert walk["retries"] == [1, 1], walk
+            assert counts["all_gather"] == 2 * units and counts["reduce_scatter"] == trainable_units, walk
+            assert walk["logprob_counts"]["all_gather"] == 2 * units, walk
         else:
             # one gather and one reduce-scatter per unit, whatever each rank's number of model calls
             assert counts["all_gather"] == units, walk
@@ -68,7 +76,8 @@ def check_case(case: str, result: dict) -> None:
                                               "forward": 0}  # fmt: skip
 
 
-CASES = ["qwen3", "qwen3-chunked", "qwen3-padded", "lora", "qwen3_5", "qwen3-bf16", "qwen3-idle-rank"]
+CASES = ["qwen3", "qwen3-chunked", "qwen3-padded", "lora", "qwen3_5", "qwen3-bf16", "qwen3-idle-rank",
+         "qwen3-oom-rank0"]  # fmt: skip
 PER_LAYER = ["qwen3-per-layer", "qwen3-per-layer-chunked", "qwen3-per-layer-padded", "lora-per-layer",
              "qwen3_5-per-layer", "qwen3-per-layer-idle-rank"]  # fmt: skip
 
@@ -113,17 +122,43 @@ def test_trainer_on_a_sharded_model_equals_stock_trl(tmp_path, model_dir, varian
         assert relative_error(tree, stock, tiny=1e-9) <= 1e-4
 
 
-def _accelerator(kind, version=None):
+def _accelerator(kind, version=None, deepspeed=None):
     plugin = SimpleNamespace(fsdp_version=version)
-    return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin))
+    ds_plugin = SimpleNamespace(deepspeed_config=deepspeed or {})
+    return SimpleNamespace(
+        distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin, deepspeed_plugin=ds_plugin)
+    )
 
 
-def test_fsdp1_and_deepspeed_are_refused_naming_fsdp2():
-    from trl_dta.train.trainer import _check_distributed
+def test_fsdp1_and_unsupported_deepspeed_settings_are_refused():
+    from trl_dta.train.parallel import check_distributed
 
-    _check_distributed(_accelerator(DistributedType.FSDP, 2))  # FSDP2: accepted
-    _check_distributed(_accelerator(DistributedType.MULTI_GPU))
+    def zero(stage, **extra):
+        return _accelerator(
+            DistributedType.DEEPSPEED, deepspeed={"zero_optimization": {"stage": stage, **extra}}
+        )
+
+    check_distributed(_accelerator(DistributedType.FSDP, 2))  # FSDP2: accepted
+    check_distributed(_accelerator(DistributedType.MULTI_GPU))
+    check_distributed(zero(2))
+    check_distributed(zero(3))
+    check_distributed(
+        zero(2), per_layer=True
+    )  # (nothing is sharded under ZeRO-2: nothing to gather per layer)
     with pytest.raises(ValueError, match="FSDP version 1 is not supported.*fsdp_version: 2"):
-        _check_distributed(_accelerator(DistributedType.FSDP, 1))
-    with pytest.raises(ValueError, match="DEEPSPEED.*Use FSDP2"):
-        _check_distributed(_accelerator(DistributedType.DEEPSPEED))
+        check_distributed(_accelerator(DistributedType.FSDP, 1))
+    for stage in (0, 1):
+        with pytest.raises(ValueError, match=f"ZeRO stage {stage} is not supported.*stage 2 or 3"):
+            check_distributed(zero(stage))
+    with pytest.raises(ValueError, match="fp16"):
+        fp16 = _accelerator(DistributedType.DEEPSPEED, deepspeed={"zero_optimization": {"stage": 2},
+                                                                  "fp16": {"enabled": True}})  # fmt: skip
+        check_distributed(fp16)
+    for kind in ("param", "optimizer"):
+        with pytest.raises(ValueError, match=f"offload_{kind} \\(device cpu\\) is not supported"):
+            check_distributed(zero(3, **{f"offload_{kind}": {"device": "cpu"}}))
+    check_distributed(zero(3, offload_param={"device": "none"}))
+    with pytest.raises(ValueError, match="tree_gather_per_layer is not supported under DeepSpeed ZeRO-3"):
+        check_distributed(zero(3), per_layer=True)
+    with pytest.raises(ValueError, match="MEGATRON_LM is not supported.*DeepSpeed ZeRO-2/3"):
+        check_distributed(_accelerator(DistributedType.MEGATRON_LM))

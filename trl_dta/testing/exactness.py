@@ -4,7 +4,8 @@ forward/backward, on a tiny model of ``trl_dta.testing.architectures``.
 ``check(model_type, dtype, attn, lora=False, **overrides)`` builds the model and runs, per variant:
 
 * ``TreeExecutor(model)``: an :class:`~trl_dta.UnsupportedModelError` here is a refusal (its message is the
-  reason); any other exception is a crash;
+  reason); any other exception is a crash, except running out of memory, which is raised (the machine's
+  limit, not a verdict on the model);
 * log-probs and gradients of a sequence-level loss over a small trie (a shared prefix, sibling leaves whose
   packed row is longer than the window, a sequence that is a prefix of another, a duplicate), walked with
   block size 4 (chunked backward) and with one big block (packed leaves), against the model's own dense
@@ -35,6 +36,7 @@ import torch
 
 from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError
 from trl_dta.compare import relative_error
+from trl_dta.walk.errors import MEMORY_ERRORS
 
 from .architectures import VOCAB, WINDOW, build
 
@@ -128,6 +130,8 @@ def check(
         model = build(model_type, dtype, attn, **overrides)
         if lora:
             model = _lora(model)
+    except MEMORY_ERRORS:
+        raise  # the machine's limit, not the model's verdict
     except Exception as e:  # noqa: BLE001 - any failure to build means "not in the sweep"
         unsupported = "does not support an attention implementation" in str(e)
         result.verdict = "n/a" if unsupported else "no tiny build"
@@ -145,10 +149,14 @@ def check(
     except UnsupportedModelError as e:
         result.verdict, result.detail = "refused", one_line(e)
         return result
+    except MEMORY_ERRORS:
+        raise
     except Exception as e:  # noqa: BLE001
         result.verdict, result.detail = "CRASH", f"at construction: {type(e).__name__}: {one_line(e)}"
     try:  # a model that fails its own dense forward is not the walk's business
         ref = dense(model, seqs, loss_fn)
+    except MEMORY_ERRORS:
+        raise
     except Exception as e:  # noqa: BLE001
         result.verdict, result.detail = (
             "n/a",
@@ -175,6 +183,8 @@ def _compare(result: Result, model, executors, seqs, loss_fn, ref, dtype) -> Res
             got_grads = _grads(model)
             result.logp_err = max(result.logp_err, relative_error(got_lp, ref_lp, tiny=_TINY_REFERENCE))
             result.grad_err = max(result.grad_err, relative_error(got_grads, ref_grads, tiny=_TINY_REFERENCE))
+    except MEMORY_ERRORS:
+        raise
     except Exception as e:  # noqa: BLE001
         result.verdict, result.detail = "CRASH", f"{type(e).__name__}: {one_line(e)}"
         return result

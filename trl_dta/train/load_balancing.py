@@ -49,3 +49,20 @@ def load_balancing_loss(
     scale = num_experts / float(pairs) ** 2
     value = scale * (counts * probs).sum()
     return value, {n: (w * scale) * counts for n, w in weights.items()}
+
+
+def step_router_grad(executor, trie: PrefixTrie, owners, coef: float, auxes: list, aux_terms: list) -> dict:
+    """A step's walk of several micro-batches: each micro-batch's load-balancing loss (into ``auxes``, times
+    ``coef`` into ``aux_terms``), and the summed per-node vectors the walk backpropagates (``router_grad``);
+    ``owners``: each trie sequence's :class:`~trl_dta.train.step.Owner`."""
+    stats = executor.router_stats(trie)
+    router_grad: dict = {}
+    for b in range(len(auxes)):
+        weights = node_weights(trie, [k for k, owner in enumerate(owners) if owner.batch == b])
+        if not weights:
+            continue
+        auxes[b], v = load_balancing_loss(stats, weights, executor.lm.num_experts)
+        aux_terms[b] = coef * float(auxes[b])
+        for node, x in v.items():
+            router_grad[node] = router_grad.get(node, 0) + coef * x
+    return router_grad

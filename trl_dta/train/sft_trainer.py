@@ -18,9 +18,10 @@ accumulation, logging, evaluation, checkpointing, saving. What changes:
 * DDP: the walk runs on the unwrapped module and the gradients are averaged once per step; TRL's per-rank
   batches are kept. FSDP2: each walk gathers the sharded parameters once and reduce-scatters the gradients
   once (:mod:`trl_dta.walk.sharding`). FSDP1, DeepSpeed, context/sequence parallelism are refused (the
-  distributed check is ``TreePPOTrainer``'s, imported from ``trainer.py``), as are settings whose loss the
-  walk cannot compute from its log-probs and entropies (label smoothing, ``compute_loss_func``, Liger
-  kernels), multimodal data, MoE load balancing (``router_aux_loss_coef``), fp16, activation offloading.
+  distributed checks are ``TreePPOTrainer``'s, :func:`~trl_dta.train.parallel.check_distributed`), as are
+  settings whose loss the walk cannot compute from its log-probs and entropies (label smoothing,
+  ``compute_loss_func``, Liger kernels), multimodal data, MoE load balancing (``router_aux_loss_coef``),
+  fp16, activation offloading.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 from trl import SFTTrainer
 
@@ -41,9 +43,9 @@ from ..walk.executor import TreeExecutor
 from ..walk.sharding import fsdp_units
 from . import distributed
 from .gradient_check import GradientCheck
+from .parallel import check_distributed, idle_walks
 from .sft_config import TreeSFTConfig
 from .sft_rows import Sample, batch_samples, num_input_tokens, trained_tokens
-from .trainer import _check_distributed as check_distributed  # (shared: see the module docstring)
 
 # the accuracy pass: at this temperature the label's log-prob is > -(log V + 1) iff it is the top-1 token
 # (unless its logit is within ~1e-5 of the top one: a tie up to float rounding)
@@ -156,7 +158,12 @@ class TreeSFTTrainer(SFTTrainer):
         parallelism = self.accelerator.parallelism_config
         if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
             raise ValueError("context and sequence parallelism are not supported by the tree walk.")
-        check_distributed(self.accelerator)  # TreePPOTrainer's rule: single process, DDP or FSDP2
+        check_distributed(self.accelerator)  # TreePPOTrainer's rules: FSDP1 refused, FSDP2 settings
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(
+                "DeepSpeed is not supported by TreeSFTTrainer yet (TreePPOTrainer routes DeepSpeed's step "
+                "around the walk; the SFT trainer does not): use DDP or FSDP2."
+            )
         if self._multi_process and self._tree_check:
             raise ValueError("tree_check_gradients runs on a single process only.")
 
@@ -243,7 +250,9 @@ class TreeSFTTrainer(SFTTrainer):
         out = [_MicroBatch() for _ in batches]
         if not samples:
             if self._multi_process and fsdp_units(self.accelerator.unwrap_model(model)):
-                self._idle_walks(model)  # the other ranks' walks gather and reduce: take part
+                # the other ranks' walks gather and reduce: take part (the accuracy pass, then the backward)
+                with self.accelerator.autocast():
+                    idle_walks(self._executor(model), int(self._tree_accuracy), training=True)
             return out
         trie = PrefixTrie.from_sequences([s.tokens for s in samples])
         score_from = [s.score_from for s in samples]
@@ -264,25 +273,14 @@ class TreeSFTTrainer(SFTTrainer):
             return total * grads[sample.batch]
 
         with self.accelerator.autocast():
-            executor.backward(trie, loss_fn, 1.0, entropies=True, score_from=score_from)
-            if self._tree_accuracy:
+            if self._tree_accuracy:  # (before the backward: the order idle_walks keeps on sharded models)
                 self._count_correct(executor, trie, samples, score_from, out)
+            executor.backward(trie, loss_fn, 1.0, entropies=True, score_from=score_from)
         for result, value in zip(out, values, strict=True):
             result.loss = float(sum(t.double() for t in result.terms)) * value
             result.terms = []
         self._log_walk(trie, executor, before, score_from, time.perf_counter() - started)
         return out
-
-    def _idle_walks(self, model) -> None:
-        """A rank with nothing to train this step on a sharded model makes the walks the other ranks make
-        (backward, and the accuracy pass), on a two-token trie with a zero loss, so that FSDP2's collectives
-        match on every rank."""
-        executor = self._executor(model)
-        idle = PrefixTrie.from_sequences([[0, 1]])
-        with self.accelerator.autocast():
-            executor.backward(idle, lambda i, logps, entropies: logps.sum() * 0.0)
-            if self._tree_accuracy:
-                executor.logprobs(idle, ACCURACY_TEMPERATURE)
 
     def _count_correct(self, executor, trie, samples, score_from, out) -> None:
         """TRL's ``is_top1`` per trained token, from a no-graph walk at a temperature of ~0: there a label's

@@ -4,7 +4,9 @@ that of its own micro-batch, and each micro-batch's share of the results in TRL'
 :func:`build_trie` puts the rows in a trie and records, per trie sequence, its :class:`Owner` (micro-batch,
 row, prompt length). :class:`StepLosses` is the walk's ``loss_fn``: it computes a row's loss with its
 micro-batch's :class:`~trl_dta.train.losses.RowLoss` and collects the detached log-probs, entropies and loss
-sums per micro-batch, which :meth:`StepLosses.results` hands back as one :class:`Walked` each.
+sums per micro-batch, which :meth:`StepLosses.results` hands back as one :class:`Walked` each. It keeps each
+value by sequence, so a walk run again after running out of memory (:mod:`trl_dta.walk.recovery`) overwrites
+what the failed walk collected instead of adding to it.
 """
 
 from __future__ import annotations
@@ -76,8 +78,9 @@ class StepLosses:
         device = batches[0]["completion_ids"].device
         self.logps = [torch.zeros(s, device=device) for s in shapes]
         self.entropies = [torch.zeros(s, device=device) for s in shapes]
-        self.totals: list[list[torch.Tensor]] = [[] for _ in batches]
-        self.magnitudes: list[list[torch.Tensor]] = [[] for _ in batches]
+        # per micro-batch, by trie sequence: each row's loss and its magnitude
+        self.totals: list[dict[int, torch.Tensor]] = [{} for _ in batches]
+        self.magnitudes: list[dict[int, torch.Tensor]] = [{} for _ in batches]
 
     def __call__(self, index: int, lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
         b, i = self.owners[index].batch, self.owners[index].row
@@ -86,15 +89,15 @@ class StepLosses:
             return lp.new_zeros(())
         self.logps[b][i, :n], self.entropies[b][i, :n] = lp.detach(), ent.detach()
         loss = self.row_losses[b](i, lp, ent)
-        self.totals[b].append(loss.detach())
-        self.magnitudes[b].append(loss.detach().abs())
+        self.totals[b][index] = loss.detach()
+        self.magnitudes[b][index] = loss.detach().abs()
         return loss
 
     def results(self, auxes: Sequence[torch.Tensor | None], aux_terms: Sequence[float]) -> list[Walked]:
         """Each micro-batch's :class:`Walked`, with its MoE aux value and term (None, 0.0: dense models)."""
 
-        def total(terms):
-            return float(sum(t.double() for t in terms))
+        def total(terms: dict[int, torch.Tensor]) -> float:
+            return float(sum(t.double() for t in terms.values()))
 
         return [
             Walked(lp, ent, aux, total(tot), total(mag), term)
@@ -102,3 +105,10 @@ class StepLosses:
                 self.logps, self.entropies, auxes, self.totals, self.magnitudes, aux_terms, strict=True
             )
         ]
+
+
+def take_oom_retries(executor) -> int:
+    """Walks of ``executor`` run again after running out of memory since the last call (0 without
+    recovery): what the trainer logs as ``tree/oom_retries``."""
+    recovery = getattr(executor, "oom_recovery", None)
+    return 0 if recovery is None else recovery.take_retries()

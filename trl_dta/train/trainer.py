@@ -19,13 +19,16 @@ saving. What changes:
 * The LM head runs only on completion positions (``score_from``), as TRL's ``logits_to_keep`` does.
 * :meth:`TreePPOTrainer.dense_loss` is stock TRL's dense loss of a micro-batch, for checking the walk
   (``tree_check_gradients``).
-* Multi-process: under DDP the walk runs on the unwrapped module and the trainer averages the gradients
-  once per step; under FSDP2 the walk gathers the parameters once and FSDP2 reduce-scatters once per walk
-  (:mod:`trl_dta.walk.sharding`). FSDP1 and DeepSpeed are refused.
+* Multi-process (:mod:`trl_dta.train.parallel`): under DDP the walk runs on the unwrapped module and the
+  trainer averages the gradients once per step; under FSDP2 the walk gathers the parameters once and FSDP2
+  reduce-scatters once per walk (:mod:`trl_dta.walk.sharding`); under DeepSpeed ZeRO-2/3 the walk gathers
+  once (ZeRO-3) and DeepSpeed reduces once per optimizer step (:mod:`trl_dta.walk.deepspeed`). FSDP1 is
+  refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -33,22 +36,20 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
-from accelerate.utils import DistributedType
-from torch.distributed.tensor import DTensor
 from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
 from ..trie import PrefixTrie
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
-from ..walk.sharding import fsdp_units
 from . import distributed
 from .config import TreePPOConfig
 from .gradient_check import GradientCheck
-from .load_balancing import load_balancing_loss, node_weights
+from .load_balancing import step_router_grad
 from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
+from .parallel import StepFlow, check_distributed, idle_walks
 from .rows import concat_batches, take_rows
-from .step import StepLosses, Walked, build_trie, scatter
+from .step import StepLosses, Walked, build_trie, scatter, take_oom_retries
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class TreePPOTrainer(GRPOTrainer):
             "memory_budget": getattr(a, "tree_memory_budget", TreePPOConfig.tree_memory_budget),
             "lm_head_fp32": a.cast_lm_head_to_fp32,
             "gather_per_layer": getattr(a, "tree_gather_per_layer", False),
+            "oom_retries": getattr(a, "tree_oom_retries", TreePPOConfig.tree_oom_retries),
         }
         self._tree_check = getattr(a, "tree_check_gradients", False)
         self._tree_check_tolerance = getattr(a, "tree_check_tolerance", TreePPOConfig.tree_check_tolerance)
@@ -107,12 +109,15 @@ class TreePPOTrainer(GRPOTrainer):
             raise ValueError(
                 "use_liger_kernel replaces the loss computation; it is not supported by the tree walk."
             )
-        _check_distributed(self.accelerator)
+        check_distributed(self.accelerator, self._tree_options["gather_per_layer"])
+        self._flow = StepFlow(self.accelerator, self)
         if a.disable_dropout:
             self._disable_randomness()
         self._multi_process = self.accelerator.num_processes > 1
         if self._multi_process and self._tree_check:
             raise ValueError("tree_check_gradients runs on a single process only.")
+        if self._flow.deepspeed and self._tree_check:  # (DeepSpeed's hooks would reduce its dense backward)
+            raise ValueError("tree_check_gradients is not supported under DeepSpeed; check without it.")
         # Re-partition the global batch in lexicographic runs, unless the loss has per-micro-batch statistics
         # (bnpo, top_entropy_quantile, entropy bonus): those keep TRL's per-rank batches.
         self._repartition = self._multi_process and not (
@@ -144,6 +149,7 @@ class TreePPOTrainer(GRPOTrainer):
                 m.training = mode
 
     def _executor(self, model) -> TreeExecutor:
+        self._flow.register(model)  # (DeepSpeed: the walk finds the engines)
         model = self.accelerator.unwrap_model(model)
         if id(model) not in self._executors:
             self._executors[id(model)] = TreeExecutor(model, **self._tree_options)
@@ -206,6 +212,8 @@ class TreePPOTrainer(GRPOTrainer):
         trie, owners = build_trie([batch], keep_prompt_only=self.aux_loss_enabled)
         shape = [(input_ids.shape[0], logits_to_keep)]
         if trie is None:
+            if self._flow.needs_idle_walks(self.accelerator.unwrap_model(model)):
+                self._executor(model).logprobs(PrefixTrie.from_sequences([[0, 1]]))  # (others gather: join)
             logps = torch.zeros(shape[0], device=input_ids.device)
             return logps, (torch.zeros_like(logps) if compute_entropy else None), None
         with self.accelerator.autocast():
@@ -233,13 +241,7 @@ class TreePPOTrainer(GRPOTrainer):
             walked = self._walk(model, [inputs], training=False)[0]
         loss = self._trl_loss(inputs, walked)
         if mode == "train" and torch.is_grad_enabled():
-            if self._multi_process and self.accelerator.sync_gradients:
-                # the walk ran on the unwrapped module (no DDP hooks): average the accumulated gradients once
-                # (on an FSDP2 model the walk has reduce-scattered the sharded ones itself: only parameters
-                # left out of every FSDP2 unit are averaged here)
-                plain = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
-                if plain:
-                    distributed.all_reduce_gradients(plain)
+            self._flow.after_micro_batch(model)  # (DDP: the step's gradients averaged once)
             return torch.zeros((), device=loss.device, requires_grad=True) + loss  # gradients are in .grad
         return loss
 
@@ -288,8 +290,11 @@ class TreePPOTrainer(GRPOTrainer):
         with its own micro-batch's loss; return each micro-batch's share."""
         started = time.perf_counter()
         trie, owners = build_trie(batches, keep_prompt_only=self.aux_loss_enabled)
-        if trie is None and self._multi_process and fsdp_units(self.accelerator.unwrap_model(model)):
-            self._idle_walks(model, training)  # the other ranks' walks gather and reduce: take part
+        if trie is None and self._flow.needs_idle_walks(self.accelerator.unwrap_model(model)):
+            passes = int(self.top_entropy_quantile < 1.0) + int(self.aux_loss_enabled)  # (no-grad ones first)
+            with self._flow.gradient_walk(model) if training else contextlib.nullcontext():
+                with self.accelerator.autocast():  # the other ranks' walks gather and reduce: take part
+                    idle_walks(self._executor(model), passes, training)
         executor = self._executor(model) if trie is not None else None
         calls = dataclasses.replace(executor.calls) if executor is not None else None
         quantile = self._step_entropies(executor, trie, owners, batches)
@@ -304,12 +309,16 @@ class TreePPOTrainer(GRPOTrainer):
             with self.accelerator.autocast():
                 router_grad = None
                 if self.aux_loss_enabled:  # MoE: TRL's load-balancing loss, exactly (load_balancing.py)
-                    router_grad = self._router_grad(executor, trie, owners, training, auxes, aux_terms)
+                    coef = self.router_aux_loss_coef / (
+                        self.current_gradient_accumulation_steps if training else 1
+                    )
+                    router_grad = step_router_grad(executor, trie, owners, coef, auxes, aux_terms)
                 if training:
-                    executor.backward(
-                        trie, losses, self.temperature, entropies=True, router_grad=router_grad,
-                        score_from=score_from, entropy_grad=self._entropy_bonus_enabled,
-                    )  # fmt: skip
+                    with self._flow.gradient_walk(model):  # (DeepSpeed: inside the step's reduction)
+                        executor.backward(
+                            trie, losses, self.temperature, entropies=True, router_grad=router_grad,
+                            score_from=score_from, entropy_grad=self._entropy_bonus_enabled,
+                        )  # fmt: skip
                 else:
                     lps, ents = executor.logprobs(
                         trie, self.temperature, entropies=True, score_from=score_from
@@ -318,24 +327,13 @@ class TreePPOTrainer(GRPOTrainer):
                         losses(k, lp, ent)
             seconds = time.perf_counter() - started
             self._log_trie(trie, "train" if training else "eval", seconds, executor, calls, score_from)
+            retries = sum(take_oom_retries(e) for e in self._executors.values())  # (all passes, since last)
+            self._metrics["train" if training else "eval"]["tree/oom_retries"].append(float(retries))
         if self.aux_loss_enabled:
             auxes = [
                 torch.zeros((), device=batches[0]["completion_ids"].device) if a is None else a for a in auxes
             ]
         return losses.results(auxes, aux_terms)
-
-    def _idle_walks(self, model, training: bool) -> None:
-        """A rank with nothing to walk (every row masked) on a sharded model makes the walks the other ranks
-        make, on a two-token trie with a zero loss, so that FSDP2's collectives match on every rank."""
-        executor = self._executor(model)
-        idle = PrefixTrie.from_sequences([[0, 1]])
-        with self.accelerator.autocast():
-            for _ in range(int(self.top_entropy_quantile < 1.0) + int(self.aux_loss_enabled)):
-                executor.logprobs(idle)  # (the entropies pass, the router counting pass)
-            if training:
-                executor.backward(idle, lambda i, logps, entropies: logps.sum() * 0.0)
-            else:
-                executor.logprobs(idle)
 
     def _step_entropies(self, executor, trie, owners, batches) -> list[torch.Tensor] | None:
         """``top_entropy_quantile`` couples a micro-batch's rows through their entropies: one no-grad pass
@@ -365,22 +363,6 @@ class TreePPOTrainer(GRPOTrainer):
         metrics["tree/time"].append(seconds)
         for name, value in vars(executor.budgets).items():  # the budgets in use (memory-derived or given)
             metrics[f"tree/{name}"].append(float(value))
-
-    def _router_grad(self, executor, trie, owners, training, auxes, aux_terms):
-        """Each micro-batch's load-balancing loss (into ``auxes``, times its coefficient into ``aux_terms``)
-        and the summed per-node vectors the walk backpropagates."""
-        stats = executor.router_stats(trie)
-        scale = self.router_aux_loss_coef / (self.current_gradient_accumulation_steps if training else 1)
-        router_grad = {}
-        for b in range(len(auxes)):
-            weights = node_weights(trie, [k for k, owner in enumerate(owners) if owner.batch == b])
-            if not weights:
-                continue
-            auxes[b], v = load_balancing_loss(stats, weights, executor.lm.num_experts)
-            aux_terms[b] = scale * float(auxes[b])
-            for node, x in v.items():
-                router_grad[node] = router_grad.get(node, 0) + scale * x
-        return router_grad
 
     def _trl_loss(self, inputs, walked: Walked) -> torch.Tensor:
         """TRL's own loss of the micro-batch on the walk's values (its metrics and state), checked against the
@@ -426,32 +408,6 @@ class _DensePass:
 
     def __init__(self, module):
         self.module = module
-
-
-def _check_distributed(accelerator) -> None:
-    """Single process, DDP (multi-GPU / multi-CPU) and FSDP2 are supported; FSDP1, DeepSpeed are refused."""
-    kind = accelerator.distributed_type
-    if kind == DistributedType.FSDP:
-        plugin = accelerator.state.fsdp_plugin
-        version = getattr(plugin, "fsdp_version", 1)
-        if version != 2:
-            raise ValueError(
-                f"FSDP version {version} is not supported by the tree walk: use FSDP2 (fsdp_version: 2 in "
-                "the accelerate config, as in recipes/accelerate_configs/fsdp2.yaml), under which the walk "
-                "gathers the parameters once per step and reduces the gradients once."
-            )
-        if getattr(plugin, "activation_checkpointing", False):
-            raise ValueError(
-                "FSDP activation_checkpointing wraps the decoder layers in a checkpoint wrapper that "
-                "recomputes them in backward, rewriting the walk's cached K/V; turn it off (the walk bounds "
-                "activation memory itself with tree_block_size)."
-            )
-    elif not (kind == DistributedType.NO or str(kind.value).startswith("MULTI_")):  # DDP on any device
-        raise ValueError(
-            f"{kind} is not supported: the tree walk makes many forward and backward calls per step, and "
-            "DeepSpeed ZeRO gathers and reduces on each. Use FSDP2 (recipes/accelerate_configs/fsdp2.yaml) "
-            "for sharded training, or DDP (multi-GPU / multi-CPU)."
-        )
 
 
 def _score_from(owners) -> list[int]:

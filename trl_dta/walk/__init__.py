@@ -9,7 +9,8 @@ packed), ``scoring.py`` (which positions get the LM head, a sequence's log-probs
 ``transformers`` model), ``cache.py`` (the cache object the model writes into), ``path_kv.py`` (the path's
 K/V in one buffer per layer), ``packing.py`` (positions and mask of a packed row), ``checks.py``,
 ``determinism.py`` and ``probe.py`` (what is refused, randomness, and the construction probe),
-``errors.py`` (:class:`UnsupportedModelError`). Around the walk: ``sharding.py`` and ``lockstep.py`` (FSDP2:
+``errors.py`` (:class:`UnsupportedModelError`, out-of-memory errors). Around the walk: ``recovery.py`` (a
+walk that runs out of memory, walked again with halved budgets), ``sharding.py`` and ``lockstep.py`` (FSDP2:
 gather once, or per layer with every rank's calls in step), ``flops.py`` (the FLOP-weighted ideal speedup).
 """
 

@@ -186,16 +186,19 @@ def token_budgets(
 
 
 def auto_memory_bytes(model: torch.nn.Module, device: torch.device, fraction: float) -> float | None:
-    """``memory_budget="auto"``: on CUDA, ``fraction`` of the device's free memory now, less what the first
+    """``memory_budget="auto"``: on CUDA, ``fraction`` of the device's free memory now (what the driver has
+    free and what PyTorch's allocator holds unused), less what the first
     optimizer step will still allocate (each trainable parameter's gradient if it has none yet, and two Adam
     states); None elsewhere (the device kind's fixed defaults apply)."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # (its cache)
     later = 0
     for p in model.parameters():
         if p.requires_grad:
-            size = p.numel() * p.element_size()
+            # the full size (ZeRO-3 partitions hold ds_numel; FSDP2's DTensors count their global size)
+            size = (getattr(p, "ds_numel", None) or p.numel()) * p.element_size()
             later += 2 * size + (size if p.grad is None else 0)
     budget = fraction * free - later
     if budget <= 0:

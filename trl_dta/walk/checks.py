@@ -36,7 +36,7 @@ from torch import nn
 from .determinism import stochastic_settings
 from .errors import ArgumentTypeError, UnsupportedModelError
 
-SUPPORTED_ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+SUPPORTED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 # layer types (transformers' per-layer strings) whose state is not a plain K/V cache
 _STATEFUL_LAYERS = ("conv", "linear", "mamba", "hybrid", "recurrent", "ssm", "rwkv", "lstm", "deltanet")

@@ -123,7 +123,10 @@ def forward_differs(model: nn.Module, base: nn.Module, device: torch.device) -> 
     """Forward the same 13 tokens twice through ``base`` (the ``transformers`` model under ``model``) in the
     current mode; the relative difference of the logits if it is above the dtype's tolerance, else None."""
     embeddings = base.get_input_embeddings()
-    vocab = embeddings.weight.shape[0] if embeddings is not None else base.config.get_text_config().vocab_size
+    if embeddings is not None:  # (a ZeRO-3 parameter is partitioned here: its full shape is ds_shape)
+        vocab = getattr(embeddings.weight, "ds_shape", embeddings.weight.shape)[0]
+    else:
+        vocab = base.config.get_text_config().vocab_size
     ids = ((torch.arange(13, device=device) * 7919 + 11) % vocab)[None]
     with _fork_rng(device), gathered_for_check(model):
         # the class's own forward: accelerate and TRL patch the instance's (autocast, fused LM head)

@@ -33,11 +33,13 @@ import logging
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from ..trie import PrefixTrie, TrieNode
+from . import deepspeed as zero
 from .budgets import AUTO_FRACTION, FIXED, TokenBudgets, auto_memory_bytes, check_memory_budget
 from .budgets import token_budgets as derive_budgets
 from .checks import check_count
@@ -49,6 +51,7 @@ from .inputs import WalkInputs
 from .model import CausalLM
 from .path_kv import PathKV
 from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, build_plan
+from .recovery import RETRIES, OOMRecovery
 from .router import RouterGrad, RouterStats, route
 from .scoring import path_scores, score_rows, scored_from
 from .sharding import agree_on, fsdp_units, gathered
@@ -62,6 +65,7 @@ def _count_or_none(name: str, value, minimum: int = 0):
 
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+T = TypeVar("T")
 
 
 class TreeExecutor:
@@ -70,7 +74,8 @@ class TreeExecutor:
     Args:
         model: a ``transformers`` causal LM that takes a KV cache (see docs/supported-models.md), plain or
             PEFT (LoRA) wrapped, whole or sharded with FSDP2 (``fully_shard``: each walk gathers every unit
-            once and reduce-scatters the gradients once, :mod:`trl_dta.walk.sharding`). Randomness must be
+            once and reduce-scatters the gradients once, :mod:`trl_dta.walk.sharding`), or the module of a
+            DeepSpeed ZeRO-2/3 engine (registered first: :mod:`trl_dta.walk.deepspeed`). Randomness must be
             off while it trains (checked at each call: :mod:`trl_dta.walk.determinism`). Models the walk
             cannot compute exactly raise :class:`~trl_dta.UnsupportedModelError`.
         block_size: most tokens forwarded with an autograd graph kept on the stack, and longest segment. Paths
@@ -95,13 +100,18 @@ class TreeExecutor:
         gather_per_layer: for an FSDP2-sharded model whose gathered parameters do not fit: gather each decoder
             layer only for its own calls and reduce-scatter its gradients after each backward call, the calls
             of all ranks kept in lock-step (:mod:`trl_dta.walk.lockstep`), instead of gathering every unit
-            once per walk. Slower: see the README's memory model. Ignored for an unsharded model.
+            once per walk. Slower: see docs/multi-process.md's memory model. Ignored for an unsharded
+            model; refused under DeepSpeed ZeRO-3 (:mod:`trl_dta.walk.deepspeed`).
         memory_budget: bytes of activation memory a walk may use; the budgets not given are derived from it
             for each trie (:mod:`trl_dta.walk.budgets`: the longest path's graph first, so that nothing is
             forwarded twice, then the largest calls that fit). "auto": on CUDA, ``AUTO_FRACTION`` of the free
             memory at the first walk less the first optimizer step's gradients and Adam states; elsewhere,
             and with None, the fixed budgets measured fastest on CPU (:data:`~trl_dta.walk.budgets.FIXED`).
             The LM head scores at most ``HEAD_ROWS`` positions at once.
+        oom_retries: a walk that runs out of memory (``torch.OutOfMemoryError``, ``MemoryError``) is walked
+            again with every budget it used halved, up to this many times, its partial gradients discarded;
+            the smaller budgets stay for later walks and grow back after a while
+            (:mod:`trl_dta.walk.recovery`, ``oom_recovery``). 0: an out-of-memory error is raised as it is.
 
     Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
     HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
@@ -117,6 +127,7 @@ class TreeExecutor:
         subtree_tokens: int | None = None,
         gather_per_layer: bool = False,
         memory_budget: float | str | None = "auto",
+        oom_retries: int = RETRIES,
     ):
         # budgets given by hand (None: from memory_budget, see token_budgets)
         self.block_size = _count_or_none("block_size", block_size, minimum=1)
@@ -131,6 +142,7 @@ class TreeExecutor:
         # which calls to merge: the device kind's cost model unless set (:mod:`trl_dta.walk.costs`)
         self.call_cost: CallCost | None = None
         self._memory: float | None = None  # memory_budget in bytes, once known ("auto": at the first walk)
+        self.oom_recovery = OOMRecovery(oom_retries) if check_count("oom_retries", oom_retries) else None
 
     @property
     def pack_leaves(self) -> bool:
@@ -180,7 +192,7 @@ class TreeExecutor:
         subtree = budgets.subtree_tokens if self.pack_leaves else 0
         costs = self.call_cost
         if costs is None and self._memory is not None:  # (fixed budgets: each leaf batch filled, as measured)
-            costs = CallCost.for_model(self.lm.config, self.device.type)
+            costs = CallCost.for_model(self.lm.config, self.device.type, self.lm.block_sparse)
         return build_plan(
             trie, budgets.block_size, budgets.batch_tokens, self.pack_leaves, subtree, costs=costs
         )
@@ -205,7 +217,10 @@ class TreeExecutor:
         def record(index, lp, ent):
             logps[index], ents[index] = lp, ent
 
-        self._walk(trie, temperature, entropies, record, grad=False, score_from=score_from)
+        self._recovered(
+            lambda: self._walk(trie, temperature, entropies, record, grad=False, score_from=score_from),
+            trie, grad=False,
+        )  # fmt: skip
         return (logps, ents) if entropies else logps
 
     def flops(self, trie: PrefixTrie, score_from: Sequence[int] | None = None) -> tuple[float, float]:
@@ -219,9 +234,13 @@ class TreeExecutor:
         experts each token's router picks and sums its router probabilities (:class:`RouterStats`)."""
         if not self.lm.is_moe:
             raise ValueError(f"{self.lm.name} has no MoE router.")
-        stats = RouterStats({}, {}, 0)
-        self._walk(trie, 1.0, False, lambda *a: None, grad=False, router=stats, scoring=False)
-        return stats
+
+        def walk() -> RouterStats:
+            stats = RouterStats({}, {}, 0)  # (a fresh count for each attempt)
+            self._walk(trie, 1.0, False, lambda *a: None, grad=False, router=stats, scoring=False)
+            return stats
+
+        return self._recovered(walk, trie, grad=False)
 
     def backward(
         self,
@@ -278,11 +297,24 @@ class TreeExecutor:
             total.append(loss.detach())
             return loss
 
-        self._walk(
-            trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from,
-            entropy_grad=entropy_grad,
-        )  # fmt: skip
+        def walk() -> None:
+            total.clear()  # (a retried walk scores every sequence again)
+            self._walk(
+                trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from,
+                entropy_grad=entropy_grad,
+            )  # fmt: skip
+
+        self._recovered(walk, trie, grad=True, entropy_grad=entropies and entropy_grad)
         return float(sum(t.detach().double() for t in total)) if total else 0.0
+
+    def _recovered(
+        self, walk: Callable[[], T], trie: PrefixTrie, grad: bool, entropy_grad: bool = False
+    ) -> T:
+        """Run ``walk()``, one walk of ``trie`` (``entropy_grad``: the walk's); one that runs out of memory is
+        walked again with halved budgets by :attr:`oom_recovery` (:mod:`trl_dta.walk.recovery`), if on."""
+        if self.oom_recovery is None or not isinstance(trie, PrefixTrie):  # (a bad trie: _walk says why)
+            return walk()
+        return self.oom_recovery.run(self, walk, trie, grad, entropy_grad)
 
     # ------------------------------------------------------------------ the walk
     def _walk(
@@ -300,7 +332,10 @@ class TreeExecutor:
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
         model, lm = self.lm.model, self.lm
         agree_on(lm.check_sequences, trie, model)  # (sharded: every rank raises if one does)
-        sharded = gathered(model, grad, self.gather_per_layer, lm.decoder, lm.config.num_hidden_layers)
+        if zero.is_deepspeed(model):  # DeepSpeed ZeRO-2/3: gathered once, reduced once per step
+            sharded = zero.gathered(model, grad, self.gather_per_layer)
+        else:  # FSDP2 (or nothing to gather)
+            sharded = gathered(model, grad, self.gather_per_layer, lm.decoder, lm.config.num_hidden_layers)
         with lm.no_gradient_checkpointing(), sharded as lockstep:  # (its final reduction too)
             lm.check_model()
             seq_from, node_from = scored_from(trie, score_from)

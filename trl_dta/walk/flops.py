@@ -40,11 +40,12 @@ def per_token_costs(lm) -> tuple[float, float, float]:
         if id(p) in skip:
             continue
         share = top_k / experts if experts and top_k and ".experts." in f".{name}." else 1.0
-        body += p.numel() * share
+        body += getattr(p, "ds_numel", p.numel()) * share  # (ZeRO-3 partitioned: ds_numel is the full size)
     heads = getattr(config, "num_attention_heads", 0) or 0
     head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
     attention = 4.0 * config.num_hidden_layers * heads * head_dim
-    return 2.0 * body, attention, 2.0 * head.shape[0] * head.shape[1]
+    rows, columns = getattr(head, "ds_shape", head.shape)
+    return 2.0 * body, attention, 2.0 * rows * columns
 
 
 def _sum_positions(start: int, end: int) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .model import CausalLM, ForwardResult
-from .packing import packed_mask
+from .packing import packed_block_mask, packed_mask
 from .plan import PackedSubtree, SiblingLeaves
 from .state import Walk
 
@@ -49,7 +49,10 @@ def forward_packed(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int
     assert isinstance(step, SiblingLeaves | PackedSubtree)
     lengths = [t.numel() for t in ids]
     row = walk.inputs.row(step)  # (built on the host with the walk's other index tensors)
-    mask = packed_mask(row, start, lm.lm_head.weight.dtype)
+    if lm.block_sparse:  # flex attention: only the tiles that hold a visible pair are computed
+        mask = packed_block_mask(row, start)
+    else:
+        mask = packed_mask(row, start, lm.lm_head.weight.dtype)
     hidden, _, routers = forward(
         lm, walk, torch.cat(ids)[None], start, positions=row.positions[None], attention_mask=mask
     )

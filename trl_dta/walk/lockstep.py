@@ -9,8 +9,10 @@ different calls. The lock-step makes them agree:
   backward call through the model. A rank whose step has no forward (a pop whose graph was kept) or no
   backward (a push) makes a dummy call of two tokens in its place: a no-grad forward through the decoder, or
   a zero backward through a graph kept for the purpose (``retain_graph``). Ranks with fewer steps make dummy
-  rounds at the end; then one more zero backward on every rank flushes what the LM head accumulated (the root
-  unit reduces at the end of each backward through a layer). Dummy calls add zero gradients.
+  rounds at the end; then one more zero backward on every rank, with the root's set's gradient sync on,
+  reduces what the root's set (root, embeddings, norm, LM head) accumulated through the walk: it reduces
+  nothing before, since the LM head's unit would reduce inside the backward calls that reach it and at the
+  end of the others, in an order that differs between ranks. Dummy calls add zero gradients.
 * **Same collectives in a round.** A forward gathers the layers in order. A backward gathers and reduces
   them from the last layer down (autograd runs the nodes created last first). Two things would make a
   rank's backward differ from another's, and both are removed: FSDP2's implicit backward prefetch (its
@@ -34,9 +36,12 @@ class Lockstep:
     """A walk's calls, padded into rounds (module docstring). Without per-layer gathering across ranks it is
     inactive and only runs the backward calls."""
 
-    def __init__(self, decoder: nn.Module | None = None, layers: list | None = None, device=None, pad=False):
+    def __init__(
+        self, decoder: nn.Module | None = None, layers: list | None = None, device=None, pad=False, roots=None
+    ):
         self.decoder, self.device = decoder, device  # decoder: None when nothing is gathered per layer
         self.layers = layers or []  # the FSDP2 unit of each decoder layer (None: gathered with the root)
+        self.roots = roots or []  # the root's set of units: gathered through the walk, reduced at its end
         self.pad = pad  # several ranks: pad the calls into rounds
         self.forwards = self.backwards = 0
         self.grad = False
@@ -128,6 +133,8 @@ class Lockstep:
                 self.forwards = self.backwards = 0
                 self._pad()
             if self.grad:
+                for unit in self.roots:  # their gradients, accumulated through the walk, reduced now
+                    unit.set_requires_gradient_sync(True, recurse=False)
                 self._dummy_backward()
                 self._reshard()
         self._graph = None

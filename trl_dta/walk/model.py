@@ -29,6 +29,7 @@ from . import checks
 from .cache import KV, LayerCache, RecordingCache, cache_kinds
 from .determinism import check_deterministic
 from .errors import UnsupportedModelError
+from .packing import causal_block_mask
 from .path_kv import PathKV
 from .probe import probe as run_probe
 from .sharding import gathered_for_check, is_fsdp1
@@ -66,6 +67,11 @@ def _base_model(model: nn.Module) -> nn.Module:
             )
         return model.get_base_model()
     return model
+
+
+def _full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape, also while DeepSpeed ZeRO-3 has it partitioned (outside a walk's gather)."""
+    return getattr(param, "ds_shape", param.shape)
 
 
 class CausalLM:
@@ -131,12 +137,20 @@ class CausalLM:
         # applies as given (no window of its own, no index-based bias: the probe checks the latter). State
         # layers would carry one leaf's state into the next leaf of a packed row.
         impl = getattr(self.config, "_attn_implementation", None) or "eager"
-        self._may_pack = impl in ("eager", "sdpa") and self.attention_window is None and not self.has_states
+        self.block_sparse = impl == "flex_attention"  # packed rows take a BlockMask (packing.py)
+        if self.block_sparse and self.device.type == "cpu":
+            raise UnsupportedModelError(
+                "attn_implementation='flex_attention' is supported on CUDA only: torch's flex attention has "
+                "no backward on CPU, and its compiled CPU kernels failed on the walk's calls (torch 2.13). "
+                "Use 'sdpa' on CPU."
+            )
+        masks = ("eager", "sdpa", "flex_attention")  # backends that take the walk's masks
+        self._may_pack = impl in masks and self.attention_window is None and not self.has_states
         self.can_pack = self.probe() if self._probed else False
 
     def _binding(self) -> tuple:
         lm_head = self.base.get_output_embeddings()
-        shape = None if lm_head is None else tuple(lm_head.weight.shape)
+        shape = None if lm_head is None else tuple(_full_shape(lm_head.weight))
         return lm_head, shape, getattr(self.config, "_attn_implementation", None)
 
     @property
@@ -172,7 +186,9 @@ class CausalLM:
     def vocab_size(self) -> int:
         """Ids the model can both embed and score (the smaller of its current input and output embeddings)."""
         embeddings, head = self.base.get_input_embeddings(), self.base.get_output_embeddings() or self.lm_head
-        sizes = [head.weight.shape[0]] + ([] if embeddings is None else [embeddings.weight.shape[0]])
+        sizes = [_full_shape(head.weight)[0]] + (
+            [] if embeddings is None else [_full_shape(embeddings.weight)[0]]
+        )
         return min(sizes)
 
     def check_sequences(self, trie) -> None:
@@ -268,6 +284,8 @@ class CausalLM:
         cache = RecordingCache(states, self.cache_kinds, start, kv)
         if positions is None:
             positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
+        if attention_mask is None and self.block_sparse:
+            attention_mask = causal_block_mask(length, start, input_ids.device)
         extra = {} if attention_mask is None else {"attention_mask": attention_mask}
         if self.is_moe:  # ask explicitly: the config's own flag must not decide what the walk computes
             extra["output_router_logits"] = router_logits

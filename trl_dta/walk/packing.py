@@ -3,9 +3,10 @@
 Sibling leaves (children of the same node) are packed side by side, each seeing the past and itself; a packed
 subtree puts trie nodes and all their descendants in one row, each segment seeing its ancestors in the row (a
 tree-shaped causal mask). Built on the device from the row's index tensors
-(:class:`~trl_dta.walk.inputs.PackedRow`), with shapes known to the host (no synchronisation). Only for
-attention backends that take a custom 4-D additive mask (eager, sdpa) and models the construction probe finds
-exact when packed (:mod:`trl_dta.walk.probe`).
+(:class:`~trl_dta.walk.inputs.PackedRow`), with shapes known to the host (no synchronisation): a 4-D
+additive mask for eager and sdpa attention, which compute every pair of the row's rectangle, or a
+block-sparse ``BlockMask`` for flex attention, which computes only the tiles holding a visible pair. Only for
+models the construction probe finds exact when packed (:mod:`trl_dta.walk.probe`).
 """
 
 from __future__ import annotations
@@ -26,3 +27,42 @@ def packed_mask(row: PackedRow, start: int, dtype) -> torch.Tensor:
     mask = torch.zeros(visible.shape, dtype=dtype, device=segment.device)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]
+
+
+def packed_block_mask(row: PackedRow, start: int):
+    """The same mask as a flex attention ``BlockMask`` (``attn_implementation="flex_attention"``): its
+    ``mask_mod`` reads the row's index tensors, and flex attention computes only the 128 x 128 tiles that
+    hold a visible pair, about the pairs the tree needs instead of the row's whole rectangle."""
+    segment, ancestor = row.segment, row.ancestor
+    past = _scalar(start, segment.device)
+
+    def mask_mod(batch, head, q, kv):
+        k = (kv - past).clamp(min=0)  # the key's index in the row (the past: any, masked below)
+        return (kv < past) | (ancestor[segment[q], segment[k]] & (k <= q))
+
+    return _block_mask(mask_mod, segment.numel(), start, segment.device)
+
+
+def causal_block_mask(tokens: int, start: int, device):
+    """Flex attention's mask of one row (or right-padded rows) of ``tokens`` on a past of ``start``: each
+    token sees the past and the tokens before it. The walk passes its own, so that transformers builds none
+    (its builder compiles, once per shape)."""
+
+    past = _scalar(start, device)
+
+    def mask_mod(batch, head, q, kv):
+        return kv <= q + past
+
+    return _block_mask(mask_mod, tokens, start, device)
+
+
+def _scalar(value: int, device) -> torch.Tensor:
+    """``value`` as a 0-d device tensor (a fill kernel, no copy): a ``mask_mod`` that captured a Python int
+    would make flex attention's compiled kernel recompile for every value."""
+    return torch.full((), value, dtype=torch.long, device=device)
+
+
+def _block_mask(mask_mod, tokens: int, start: int, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod, None, None, tokens, start + tokens, device=device)

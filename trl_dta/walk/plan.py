@@ -31,8 +31,13 @@ Rules:
   all its descendants) holds at most ``min(subtree_tokens, batch_tokens, block_size)`` tokens is one
   :class:`PackedSubtree` step, instead of a push, its children's steps and a pop: one forward and
   one backward call for the whole subtree (a tree-shaped causal mask), fewer and larger calls than the walk
-  makes for it. The mask's attention is computed over the whole packed row, so the budget trades per-call
-  overhead against attention work; one subtree per step.
+  makes for it. A dense mask's attention is computed over the whole packed row, so the budget trades
+  per-call overhead against attention work; one subtree per step.
+* With a cost model (``costs``, :mod:`trl_dta.walk.costs`; the executor gives one where its budgets come
+  from a memory budget) the budgets are limits and the model decides: a subtree of at most
+  ``min(subtree_tokens, batch_tokens)`` tokens is packed where one call costs less than walking it, and
+  consecutive children (leaves and packed subtrees) share one call, a :class:`PackedSubtree` with several
+  roots, while that costs less than separate calls and stays within the budgets.
 * Children are visited in :meth:`PrefixTrie.walk_children` order.
 """
 

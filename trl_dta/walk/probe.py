@@ -13,6 +13,9 @@ on a :class:`~trl_dta.walk.path_kv.PathKV`. What each comparison catches:
 * packed leaves (only where packing is possible): a model that applies its own window or an attention bias
   built from key indices (ALiBi). Packing that differs is not refused: leaves are padded instead.
 
+Running out of memory anywhere in the probe is raised unchanged (:data:`~trl_dta.walk.errors.MEMORY_ERRORS`),
+never reported as a refusal of the model or as packing that differs.
+
 Tolerances are relative (:func:`trl_dta.compare.relative_error`) and per dtype: a structural mistake is
 >= 1e-3, while HF computes eager softmax, RMSNorm and some attention variants in float32 even in a float64
 model, which leaves ~1e-7 between two exact computations.
@@ -28,7 +31,7 @@ import torch
 from ..compare import relative_error
 from .cache import expand_states, states_of
 from .determinism import check_deterministic
-from .errors import UnsupportedModelError
+from .errors import MEMORY_ERRORS, UnsupportedModelError
 from .inputs import PackedRow
 from .packing import packed_mask
 from .path_kv import PathKV
@@ -49,7 +52,7 @@ def _unsupported_on_failure(name: str):
     running out of memory pass unchanged."""
     try:
         yield
-    except (UnsupportedModelError, torch.OutOfMemoryError, MemoryError):
+    except (UnsupportedModelError, *MEMORY_ERRORS):
         raise
     except Exception as e:
         raise UnsupportedModelError(
@@ -103,6 +106,8 @@ def probe(lm, try_packing: bool) -> bool:
     try:
         dense_leaves = [p.dense(p.prefix + leaf) for leaf in p.leaves]
         dense_prefix = p.dense(p.prefix)
+    except MEMORY_ERRORS:
+        raise  # out of memory is not a refusal of the model
     except Exception as e:
         raise UnsupportedModelError(
             f"{p.name}'s own forward fails on a plain input of token ids ({type(e).__name__}: {e}); "
@@ -172,6 +177,8 @@ def _packing_is_exact(p: _Probe, states, dense_leaves) -> bool:
         )
         got = p.lm.logits(hidden, 1.0)[0].to(torch.float64).split(lengths)
         err = max(relative_error(g, ref[_PREFIX:]) for g, ref in zip(got, dense_leaves, strict=True))
+    except MEMORY_ERRORS:
+        raise  # not a sign that packing differs
     except Exception as e:  # noqa: BLE001 - e.g. ALiBi built from a 2-D mask fails on a 4-D one
         logger.info("%s: sibling leaves are forwarded as a padded batch; packing them fails: %r", p.name, e)
         return False

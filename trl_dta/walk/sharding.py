@@ -21,13 +21,25 @@ gather the embeddings and the LM head. :func:`gathered` takes over for one walk,
 Per unit and per walk: one all-gather, and (gradient walks) one reduce-scatter, whatever the trie. While
 walking, a rank holds every parameter gathered and an unsharded gradient accumulator.
 
+Before anything is reduced, the ranks agree on how their walks ended (:func:`agree_on_outcome`, one
+all-reduce of a flag per walk, across ranks only): if one rank's walk failed, no rank reduces, the
+unreduced gradients are dropped on every rank, and every rank raises, the others
+:class:`~trl_dta.walk.errors.PeerOutOfMemoryError` where it ran out of memory, so that out-of-memory
+recovery (:mod:`trl_dta.walk.recovery`) walks again on every rank or on none.
+
 **Per layer** (``per_layer=True``, for models whose gathered parameters and accumulator do not fit): the
-root's unit (embeddings, final norm, LM head) stays gathered; each decoder layer is gathered for each
-forward and backward call through it and resharded after, and every unit's gradients are reduce-scattered
-after each backward call (sums of averages: exact). Those collectives run inside the calls, so
+*root's set* (the root unit, and the units accelerate makes of the embeddings, final norm and LM head: every
+unit outside the decoder layers) stays gathered and accumulates its gradients unreduced, as in the
+gather-once mode, and is reduce-scattered once at the walk's end; each decoder layer is gathered for each
+forward and backward call through it and resharded after, and its gradients are reduce-scattered after each
+backward call (sums of averages: exact). Those collectives run inside the calls, so
 :class:`~trl_dta.walk.lockstep.Lockstep` keeps every rank's calls in step (dummy calls where a rank's step
 has none) and gathers a layer whose gradients arrive through its K/V or states. Per layer: one all-gather
-per forward and per backward call (dummies included), and one reduce-scatter per backward call.
+per forward and per backward call (dummies included), and one reduce-scatter per backward call; per unit of
+the root's set: one all-gather and one reduce-scatter per walk.
+
+A model sharded as one unit (TRL's ``prepare_fsdp`` shards the reference model so) has no layer to gather
+on its own: its no-gradient walks gather it whole in either mode, as its own forward does in stock TRL.
 
 Parameters no rank used in a walk (MoE experts no token picked) are reduce-scattered as zeros, so ranks
 never disagree on what to reduce; their ``.grad`` is zero, not None. A walk inside a walk of the same model
@@ -43,7 +55,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import UnsupportedModelError
+from . import deepspeed as zero
+from .errors import MEMORY_ERRORS, PeerOutOfMemoryError, UnsupportedModelError
 from .lockstep import Lockstep
 
 try:  # torch >= 2.6
@@ -87,31 +100,38 @@ def _restore(unit, flags: list[tuple]) -> None:
             g.reduce_scatter_unused_params = unused
 
 
-def _layer_units(decoder: nn.Module, num_layers: int) -> list:
-    """The FSDP2 unit of each decoder layer (the layer, or the first unit inside it; None if it has none)."""
+def _decoder_layers(decoder: nn.Module, num_layers: int) -> list[nn.Module]:
     for m in decoder.modules():
         if isinstance(m, nn.ModuleList) and len(m) == num_layers:
-            return [next((u for u in layer.modules() if isinstance(u, FSDPModule)), None) for layer in m]
+            return list(m)
     return []
+
+
+def _layer_units(decoder: nn.Module, num_layers: int) -> list:
+    """The FSDP2 unit of each decoder layer (the layer, or the first unit inside it; None if it has none)."""
+    layers = _decoder_layers(decoder, num_layers)
+    return [next((u for u in layer.modules() if isinstance(u, FSDPModule)), None) for layer in layers]
 
 
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _check_per_layer(units: list, layers: list) -> None:
-    """The per-layer mode's lock-step knows the root unit and one unit per decoder layer, nothing else."""
+def _check_per_layer(units: list, layers: list, decoder_layers: list) -> None:
+    """The per-layer mode's lock-step gathers one unit per decoder layer per call; units outside the layers
+    (the root, and the embeddings, final norm or LM head that accelerate shards on their own) are the root's
+    set, gathered through the walk. A unit nested inside a layer's unit is not supported."""
     if not any(layers):
         raise UnsupportedModelError(
             "gather_per_layer needs the decoder layers sharded as FSDP2 units of their own "
             "(fully_shard per layer, as accelerate's transformer-based wrap does)."
         )
-    others = [type(u).__name__ for u in units[1:] if u not in layers]
-    if others:
+    inside = {id(m) for layer in decoder_layers for m in layer.modules()}
+    nested = [type(u).__name__ for u in units if u not in layers and id(u) in inside]
+    if nested:
         raise UnsupportedModelError(
-            "gather_per_layer supports FSDP2 units per decoder layer and at the root only; this model also "
-            f"has units {others} (wrapped inside a layer, or an embedding / LM head of their own). Shard the "
-            "layers and the root only, or use the default gather-once mode."
+            f"gather_per_layer supports one FSDP2 unit per decoder layer; this model also has units {nested} "
+            "inside its layers. Shard each layer as one unit, or use the default gather-once mode."
         )
     if not hasattr(units[0], "set_reduce_scatter_unused_params") and world_size() > 1:
         raise UnsupportedModelError("gather_per_layer across ranks needs a torch with FSDP2's "
@@ -140,8 +160,10 @@ def gathered(model: nn.Module, grad: bool, per_layer: bool = False, decoder=None
     # real root must claim it first
     top._get_fsdp_state()._lazy_init()
     layers = _layer_units(decoder, num_layers) if per_layer else []
+    if per_layer and not grad and not any(layers):  # sharded as one unit, as TRL shards its reference model:
+        per_layer = False  # gathered whole for a no-gradient walk, as its own forward would gather it
     if per_layer:
-        _check_per_layer(units, layers)
+        _check_per_layer(units, layers, _decoder_layers(decoder, num_layers))
     saved = [(u, _flags(u), list(u._get_fsdp_state()._states_to_backward_prefetch)) for u in units]
     _ACTIVE[id(top)] = (per_layer, grad)
     failed = True
@@ -150,7 +172,7 @@ def gathered(model: nn.Module, grad: bool, per_layer: bool = False, decoder=None
             per_call = u in layers
             u.set_reshard_after_forward(per_call, recurse=False)
             u.set_reshard_after_backward(per_call, recurse=False)
-            u.set_requires_gradient_sync(per_layer, recurse=False)
+            u.set_requires_gradient_sync(per_call, recurse=False)  # (the root's set: reduced at the end)
             if hasattr(u, "set_reduce_scatter_unused_params"):
                 u.set_reduce_scatter_unused_params(True, recurse=False)
             if per_layer:  # no implicit backward prefetch: its target depends on each rank's own call history
@@ -161,8 +183,17 @@ def gathered(model: nn.Module, grad: bool, per_layer: bool = False, decoder=None
         lockstep = Lockstep()
         if per_layer:
             device = next(p.device for p in model.parameters())
-            lockstep = Lockstep(decoder, layers, device, pad=world_size() > 1)
-        yield lockstep
+            roots = [u for u in units if u not in layers]
+            lockstep = Lockstep(decoder, layers, device, pad=world_size() > 1, roots=roots)
+        agree = not per_layer and world_size() > 1  # (per layer: the lock-step's collectives cannot wait)
+        try:
+            yield lockstep
+        except BaseException as e:
+            if agree:
+                agree_on_outcome(model, e)  # (raises)
+            raise
+        if agree:
+            agree_on_outcome(model, None)
         if grad and not per_layer:
             _reduce(units, model)
         failed = False
@@ -171,34 +202,69 @@ def gathered(model: nn.Module, grad: bool, per_layer: bool = False, decoder=None
         for u, flags, prefetch in saved:
             _restore(u, flags)
             u._get_fsdp_state()._states_to_backward_prefetch = prefetch
-        if failed and hasattr(top, "reset_iter_state"):  # a failed walk's unreduced gradients are dropped
-            top.reset_iter_state()
+        if failed:  # a failed walk's unreduced gradients are dropped
+            _drop_unreduced(units)
+            if hasattr(top, "reset_iter_state"):
+                top.reset_iter_state()
         for u in units:
             u.reshard()
 
 
 def agree_on(check, trie, model: nn.Module) -> None:
-    """Run ``check(trie)``; on a model sharded across ranks, every rank raises if any rank's check fails (the
-    others would otherwise wait for it in the walk's first collective)."""
+    """Run ``check(trie)``; on a model sharded across ranks (FSDP2, DeepSpeed), every rank raises if any
+    rank's check fails (the others would otherwise wait for it in the walk's first collective)."""
     try:
         check(trie)
         error = None
     except Exception as e:  # noqa: BLE001 - re-raised below, on this rank and the others
         error = e
-    units = fsdp_units(model)
-    if units and world_size() > 1:
-        device = next(p.device for p in model.parameters())
-        flag = torch.tensor([0 if error is None else 1], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() and error is None:
-            raise RuntimeError("another rank refused its sequences (its error says why); no rank walks.")
+    if (fsdp_units(model) or zero.is_deepspeed(model)) and world_size() > 1:
+        agree_on_outcome(model, error, "refused its sequences (its error says why); no rank walks")
     if error is not None:
         raise error
 
 
+def _outcome(error: BaseException | None) -> int:
+    return 0 if error is None else 1 if isinstance(error, MEMORY_ERRORS) else 2
+
+
+def agree_on_outcome(model: nn.Module, error: BaseException | None, failed: str = "failed in its walk"):
+    """Every rank says how its part ended (``error``: this rank's, or None): return if no rank failed, else
+    raise on every rank: its own error; on the others :class:`~trl_dta.walk.errors.PeerOutOfMemoryError` if
+    a rank ran out of memory (and none failed otherwise), else a ``RuntimeError`` (also where this rank ran
+    out of memory and another failed otherwise: nothing to walk again). One all-reduce, on every rank."""
+    device = next(p.device for p in model.parameters())
+    flag = torch.tensor([_outcome(error)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    worst = int(flag.item())
+    if worst == 0:
+        return
+    if error is not None and _outcome(error) == worst:
+        raise error
+    if worst == 1:
+        raise PeerOutOfMemoryError(
+            "another rank's walk ran out of memory: no rank reduces its gradients, and every rank walks "
+            "again with halved budgets (trl_dta.walk.recovery) or gives up."
+        )
+    raise RuntimeError(f"another rank {failed}; no rank reduces its gradients.") from error
+
+
+def _drop_unreduced(units: list[nn.Module]) -> None:
+    """The unsharded gradients FSDP2 accumulated for a walk that failed before reducing them (FSDP2's
+    ``reset_iter_state`` leaves them on the unsharded parameters, where the next walk would add to them)."""
+    for u in units:
+        for group in _groups(u):
+            for param in group.fsdp_params:
+                if hasattr(param, "_unsharded_param"):
+                    param._unsharded_param.grad = None
+                param.unsharded_accumulated_grad = None
+
+
 def gathered_for_check(model: nn.Module):
     """For a check's own forwards (the probe, the determinism check): the model gathered once, or as the walk
-    running now has it (its preamble, the same on every rank)."""
+    running now has it (its preamble, the same on every rank). DeepSpeed: :mod:`trl_dta.walk.deepspeed`."""
+    if zero.is_deepspeed(model):
+        return zero.gathered_for_check(model)
     units = fsdp_units(model)
     if units and id(units[0]) in _ACTIVE:
         return contextlib.nullcontext()

@@ -18,6 +18,7 @@ import pkgutil
 import re
 from dataclasses import dataclass
 
+from ...walk.errors import MEMORY_ERRORS
 from .domain import Domain, ToolSpec, apply_initial_state, get_domain, require_tau2
 from .reward import episode_reward
 from .scripted_user import ScriptedUser
@@ -241,6 +242,8 @@ class Tau2Environment:
             environment = self._environment_for(name)
             response = environment.make_tool_call(name, requestor="assistant", **kwargs)
             environment.sync_tools()
+        except MEMORY_ERRORS:
+            raise  # not the tool's answer
         except Exception as e:  # noqa: BLE001
             response, error = f"Error: {e}", True
         try:
@@ -288,6 +291,8 @@ class Tau2Environment:
         else:
             try:
                 reply = str(self._user.respond(text))
+            except MEMORY_ERRORS:
+                raise  # an LLM user out of memory is not a user who ended the episode
             except Exception as e:  # noqa: BLE001 - a failing user simulator ends the episode, reward 0
                 self._finish("error", failure=f"user simulator failed: {e!r}")
                 return f"Error: the user is unavailable ({e}); the conversation has ended."
@@ -326,6 +331,8 @@ class Tau2Environment:
                 self._d, self._task, self._calls, self._agent_messages, db_hashes=self._db_hashes,
                 environment=self._private_environment, abnormal=abnormal, shaping=self._shaping,
             ))  # fmt: skip
+        except MEMORY_ERRORS:
+            raise  # a reward of 0 would be a wrong answer
         except Exception as e:  # noqa: BLE001 - never crash the trainer
             info = {"reward": 0.0, "task_reward": 0.0, "error": repr(e)}
         self.reward_info = info

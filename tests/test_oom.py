@@ -1,0 +1,285 @@
+"""Running out of memory (trl_dta/walk/recovery.py): an out-of-memory error injected at the k-th model call
+of a walk (trl_dta/testing/oom.py) is recovered within the walk, with the gradients of an uninjected walk;
+one in the construction probe is raised as what it is, never as a refusal of the model. The 2-process FSDP2
+case is in tests/test_sharded.py (tests/sharded_worker.py, case ``qwen3-oom-rank0``)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+from conftest import make_model, max_rel_diff
+
+from trl_dta import PrefixTrie, TreeExecutor, TreePPOConfig, TreePPOTrainer, UnsupportedModelError
+from trl_dta.compare import relative_error
+from trl_dta.testing.grpo import GradRecorder, ScriptedGenerationMixin, make_config, make_trainer
+from trl_dta.testing.oom import InjectOOM
+from trl_dta.walk.errors import WalkOutOfMemoryError
+from trl_dta.walk.recovery import OOMRecovery, set_budgets
+
+BUDGETS = dict(block_size=4, batch_tokens=6)  # chunked backward (pops recompute) and small leaf batches
+SAME_PLAN = 1e-6  # the issue's bound: a retried walk against an uninjected one of the same budgets
+OTHER_PLAN = 1e-5  # against the starting budgets: a different plan, fp32 rounding (the fp32 parity bound)
+
+
+def sequences(seed: int = 0) -> list[list[int]]:
+    """A shared system prompt, groups of sibling leaves, a long path (chunked at block size 4), a
+    duplicate."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 61) for _ in range(5)]
+    seqs = []
+    for _ in range(3):
+        prompt = system + [rng.randrange(3, 61) for _ in range(rng.randint(1, 4))]
+        seqs += [prompt + [rng.randrange(3, 61) for _ in range(rng.randint(1, 8))] for _ in range(3)]
+    seqs.append(system[:3] + list(range(10, 24)))
+    seqs.append(list(seqs[0]))
+    return seqs
+
+
+def loss_fn(i, lp, ent):
+    return -(lp * (1.0 + 0.1 * i)).sum() + (0.0 if ent is None else 0.01 * (ent**2).sum())
+
+
+def grads(model) -> dict:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def walk_grads(model, trie, start=None, count=None, **options):
+    """The gradients of one uninjected walk (added to ``start``, if given); ``count``: an InjectOOM that
+    counts its model calls."""
+    executor = TreeExecutor(model, **options)
+    set_grads(model, start)
+    with count or contextlib.nullcontext():
+        executor.backward(trie, loss_fn, entropies=True)
+    return grads(model)
+
+
+def set_grads(model, start):
+    for name, p in model.named_parameters():
+        p.grad = None if start is None else start[name].clone()
+
+
+def settings(executor) -> tuple:
+    """The executor's budgets given by hand (None: derived), what the recovery halves and sets."""
+    return executor.block_size, executor.batch_tokens, executor.subtree_tokens
+
+
+def layer0(model):
+    return model.model.layers[0]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("qwen3", dtype=torch.float32).train()
+
+
+# ------------------------------------------------------------------ the probe: raised, never refused
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError, MemoryError])
+def test_an_oom_in_the_construction_probe_is_raised_never_refused(model, error):
+    with InjectOOM(layer0(model), None) as count:
+        reference = TreeExecutor(model)
+    assert count.calls >= 10 and reference.pack_leaves  # dense forwards, determinism, segments, packing
+    for at in range(1, count.calls + 1):  # every forward of the probe, the packing check's last
+        with InjectOOM(layer0(model), at, error=error) as oom, pytest.raises(error) as raised:
+            TreeExecutor(model)
+        assert oom.raised == 1
+        assert not isinstance(raised.value, UnsupportedModelError), f"call {at}: {raised.value}"
+
+
+def test_the_trainer_reports_an_oom_at_the_third_forward_after_construction_as_an_oom(tmp_path, model_dir):
+    """The issue's run: the 3rd forward of decoder layer 0 after the trainer's construction (the probe, at
+    the executor's construction) ended in ``UnsupportedModelError: ... fails on a plain input``."""
+    tree_cls = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
+    trainer = make_trainer(
+        tree_cls, make_config(tmp_path, config_cls=TreePPOConfig, max_steps=1), model=model_dir
+    )
+    with InjectOOM(trainer.model.model.layers[0], 3), pytest.raises(torch.OutOfMemoryError) as raised:
+        trainer.train()
+    assert not isinstance(raised.value, UnsupportedModelError)
+
+
+# ------------------------------------------------------------------ a walk: recovered exactly
+CASES = {  # injector options: the first model call, a middle one, the last one, a pop's recompute, a backward
+    "first": dict(at=1),
+    "middle": dict(at="middle"),
+    "last": dict(at="last"),
+    "pop-recompute": dict(at=2, inside="_pop"),
+    "backward": dict(at=3, backward=True),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("start", ["none", "accumulated"], ids=["no-grad-before", "grad-before"])
+def test_an_oom_at_the_kth_call_gives_the_uninjected_gradients(model, case, start):
+    trie = PrefixTrie.from_sequences(sequences())
+    before = None
+    if start == "accumulated":  # gradients already there (a walk of a step's second part): kept, added to
+        torch.manual_seed(0)
+        before = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    count = InjectOOM(layer0(model), None, record="_pop")
+    original = walk_grads(model, trie, before, count, **BUDGETS)
+    assert count.calls > 10 and 2 <= sum(count.stacks) < count.calls  # chunked: some calls recompute pops
+    options = dict(CASES[case])
+    options["at"] = {"middle": count.calls // 2, "last": count.calls}.get(options["at"], options["at"])
+    executor = TreeExecutor(model, **BUDGETS)
+    set_grads(model, before)
+    with InjectOOM(layer0(model), **options) as oom:
+        loss = executor.backward(trie, loss_fn, entropies=True)
+    assert oom.raised == 1 and executor.oom_recovery.retried == 1
+    assert settings(executor) == (2, 3, 256)  # (the subtree budget was derived: 512 on CPU)
+    got = grads(model)
+    same_plan = walk_grads(model, trie, before, block_size=2, batch_tokens=3, subtree_tokens=256)
+    assert max_rel_diff(got, same_plan) <= SAME_PLAN
+    assert max_rel_diff(got, original) <= OTHER_PLAN
+    model.zero_grad(set_to_none=True)
+    assert loss == pytest.approx(
+        TreeExecutor(model, **BUDGETS).backward(trie, loss_fn, entropies=True), rel=1e-6
+    )
+
+
+def test_logprobs_are_recovered_too(model):
+    trie = PrefixTrie.from_sequences(sequences(1))
+    with torch.no_grad():
+        ref, ref_ent = TreeExecutor(model, **BUDGETS).logprobs(trie, entropies=True)
+        executor = TreeExecutor(model, **BUDGETS)
+        with InjectOOM(layer0(model), 5) as oom:
+            got, ent = executor.logprobs(trie, entropies=True)
+    assert oom.raised == 1 and executor.oom_recovery.retried == 1
+    assert relative_error(got, ref) <= OTHER_PLAN and relative_error(ent, ref_ent) <= OTHER_PLAN
+
+
+def test_after_the_last_halving_a_clear_error_and_the_gradients_as_before(model):
+    trie = PrefixTrie.from_sequences(sequences())
+    torch.manual_seed(1)
+    before = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    executor = TreeExecutor(model, oom_retries=2, **BUDGETS)
+    set_grads(model, before)
+    with InjectOOM(layer0(model), 1, times=10**6) as oom, pytest.raises(WalkOutOfMemoryError) as raised:
+        executor.backward(trie, loss_fn, entropies=True)
+    assert oom.raised == 3  # the walk and 2 retries
+    assert isinstance(raised.value, torch.OutOfMemoryError) and isinstance(
+        raised.value.__cause__, torch.OutOfMemoryError
+    )
+    message = str(raised.value)
+    expected = ["block_size=4, batch_tokens=6, subtree_tokens=512", "block_size=1, batch_tokens=1",
+                f"Longest path of the trie: {trie.max_depth} tokens", "Tried to allocate 20.00 MiB",
+                "(in check_", "). The gradients are as they were"]  # fmt: skip
+    for part in expected:
+        assert part in message, message
+    assert max_rel_diff(grads(model), before) == 0.0  # exactly as before the walk
+    set_grads(model, None)
+
+
+def test_at_the_smallest_budgets_it_gives_up_without_halving_further(model):
+    trie = PrefixTrie.from_sequences(sequences())
+    executor = TreeExecutor(model, block_size=1, batch_tokens=0, subtree_tokens=0)
+    with (
+        InjectOOM(layer0(model), 1, times=10**6) as oom,
+        pytest.raises(WalkOutOfMemoryError, match="after 0 halv"),
+    ):
+        executor.backward(trie, loss_fn)
+    assert oom.raised == 1
+    model.zero_grad(set_to_none=True)
+
+
+def test_opted_out_the_error_is_raised_unchanged(model):
+    trie = PrefixTrie.from_sequences(sequences())
+    executor = TreeExecutor(model, oom_retries=0, **BUDGETS)
+    assert executor.oom_recovery is None
+    with InjectOOM(layer0(model), 4), pytest.raises(torch.OutOfMemoryError) as raised:
+        executor.backward(trie, loss_fn)
+    assert type(raised.value) is torch.OutOfMemoryError and "injected" in str(raised.value)
+    assert settings(executor) == (4, 6, None)
+    model.zero_grad(set_to_none=True)
+
+
+def test_smaller_budgets_stay_then_grow_back_never_above_the_ceiling(model):
+    trie = PrefixTrie.from_sequences(sequences())
+    executor = TreeExecutor(model, **BUDGETS)
+    executor.oom_recovery = OOMRecovery(retries=3, grow_after=2)
+    with InjectOOM(layer0(model), 1, times=2):  # two halvings in one walk
+        executor.backward(trie, loss_fn)
+    seen = [settings(executor)]
+    for _ in range(5):
+        executor.backward(trie, loss_fn)
+        seen.append(settings(executor))
+    # grown back all the way: the executor's own settings (the subtree budget derived again)
+    assert seen == [(1, 1, 128), (1, 1, 128), (2, 3, 256), (2, 3, 256), (4, 6, None), (4, 6, None)]
+    with torch.no_grad():  # a walk without gradients does not count towards growing back
+        with InjectOOM(layer0(model), 1):
+            executor.logprobs(trie)
+        for _ in range(3):
+            executor.logprobs(trie)
+    assert settings(executor) == (2, 3, 256)
+    set_budgets(executor, (8, 8, 0))  # set by hand: the new ceiling
+    with InjectOOM(layer0(model), 1):
+        executor.backward(trie, loss_fn)
+    for _ in range(2):
+        executor.backward(trie, loss_fn)
+    assert settings(executor) == (8, 8, 0)
+    assert executor.oom_recovery.take_retries() == 4 and executor.oom_recovery.take_retries() == 0
+    model.zero_grad(set_to_none=True)
+
+
+# ------------------------------------------------------------------ the trainer: one SGD step
+def test_trainer_step_with_an_oom_mid_walk_equals_the_uninjected_step(tmp_path, model_dir):
+    tree_cls = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
+
+    def run(name, at):
+        recorder = GradRecorder()
+        config = make_config(
+            tmp_path / name, config_cls=TreePPOConfig, max_steps=1, tree_block_size=16, tree_batch_tokens=24,
+            gradient_accumulation_steps=2, per_device_train_batch_size=2,
+        )  # fmt: skip
+        trainer = make_trainer(tree_cls, config, model=model_dir, callbacks=[recorder])
+        with InjectOOM(trainer.model.model.layers[0], at, inside="backward") as oom:  # the gradient walk's
+            trainer.train()
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        return trainer, recorder.grads[0], params, oom
+
+    _, ref_grads, ref_params, count = run("plain", None)
+    assert count.calls > 10
+    # late in the walk: after some sequences' losses were collected (StepLosses must not count them twice)
+    trainer, got_grads, got_params, oom = run("injected", count.calls * 2 // 3)
+    assert oom.raised == 1
+    assert trainer.state.log_history[0]["tree/oom_retries"] == 1.0
+    assert settings(next(iter(trainer._executors.values()))) == (8, 12, 256)  # kept for later steps
+    assert max_rel_diff(got_grads, ref_grads) <= OTHER_PLAN
+    assert relative_error(got_params, ref_params) <= SAME_PLAN  # the run's parameters after one SGD step
+
+
+def test_a_walk_that_fails_otherwise_leaves_the_gradients_as_they_were(model):
+    trie = PrefixTrie.from_sequences(sequences())
+    torch.manual_seed(2)
+    before = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    set_grads(model, before)
+    calls = []
+
+    def failing(i, lp, ent):
+        calls.append(i)
+        if len(calls) == 4:
+            raise KeyError("a loss_fn bug")
+        return loss_fn(i, lp, ent)
+
+    with pytest.raises(KeyError, match="a loss_fn bug"):
+        TreeExecutor(model, **BUDGETS).backward(trie, failing)
+    assert max_rel_diff(grads(model), before) == 0.0
+    set_grads(model, None)
+
+
+def test_router_counts_are_recovered_too():
+    from test_router_loss import moe_model
+
+    moe = moe_model(dtype=torch.float32)
+    trie = PrefixTrie.from_sequences(sequences(2))
+    ref = TreeExecutor(moe, **BUDGETS).router_stats(trie)
+    executor = TreeExecutor(moe, **BUDGETS)
+    with InjectOOM(moe.model.layers[0], 6) as oom:
+        got = executor.router_stats(trie)
+    assert oom.raised == 1 and executor.oom_recovery.retried == 1
+    assert got.layers == ref.layers and got.counts.keys() == ref.counts.keys()
+    for node in ref.counts:
+        assert torch.equal(got.counts[node], ref.counts[node])  # counted once, not twice
+        assert torch.allclose(got.probs[node], ref.probs[node], rtol=1e-5, atol=1e-6)
