@@ -32,10 +32,11 @@ Features:
 - Evaluation: `--greedy_eval` measures held-out success (greedy rollouts, τ²'s check alone) before training,
   after the warm start and during RL (`recipe_utils/evaluation.py`); `--eval_strategy steps|epoch` runs TRL's
   sampled evaluation on τ²'s test split of the domain (`--max_eval_tasks`).
-- Warm start: `--warm_start_steps` SFT steps (stock `trl.SFTTrainer`) on the training tasks' gold
+- Warm start: `--warm_start_steps` SFT steps (`TreeSFTTrainer`) on the training tasks' gold
   conversations before RL (`recipe_utils/warm_start.py`). Tasks: `--synthetic_tasks` with `--domain mock`
   (`trl_dta/envs/tau2/synthetic.py`); `--policy false` drops the domain policy from the prompt.
-- A/B: `--no_tree` trains with stock `trl.GRPOTrainer` on the same settings.
+- A/B: `--no_tree` trains with stock `trl.GRPOTrainer` (and warm-starts with `trl.SFTTrainer`) on the same
+  settings.
 - Outputs in `output_dir`: checkpoints, the final model, `trainer_state.json`, `reward_curve.png`
   (`--no_plot` turns it off; `recipe_utils/plotting.py`), TensorBoard logs when installed.
 - Not supported: τ² domains whose user has tools (telecom), multimodal inputs, FSDP1, DeepSpeed fp16 or
@@ -159,7 +160,8 @@ class ScriptArguments:
     no_tree: bool = field(
         default=False,
         metadata={
-            "help": "Train with stock trl.GRPOTrainer (same settings) instead of TreePPOTrainer (A/B)."
+            "help": "Train with stock trl.GRPOTrainer and trl.SFTTrainer (same settings) instead of "
+            "TreePPOTrainer and TreeSFTTrainer (A/B)."
         },
     )
     plot: bool = field(
@@ -309,7 +311,7 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
         sft_log = warm_start(
             model, tokenizer, dataset, environment_factory, steps=script_args.warm_start_steps,
             learning_rate=script_args.warm_start_learning_rate, batch_size=script_args.warm_start_batch_size,
-            output_dir=training_args.output_dir, seed=training_args.seed,
+            output_dir=training_args.output_dir, seed=training_args.seed, tree=not script_args.no_tree,
         )  # fmt: skip
         losses = [round(r["loss"], 3) for r in sft_log if "loss" in r]
         logger.info(

@@ -3,8 +3,9 @@
 The package follows the data: rollouts become a :class:`PrefixTrie` (``trie.py``), a step's sequences are cut
 into contiguous runs across data-parallel ranks (``partition.py``), :class:`TreeExecutor` walks a trie through
 a causal LM (``walk/``, which knows nothing of TRL), and :class:`TreePPOTrainer` plugs the walk into TRL's
-``GRPOTrainer`` (``train/``, which knows nothing of KV caches). ``envs/`` holds environments for TRL's
-``environment_factory``; ``testing/`` the tiny offline fixtures the tests and benchmarks share.
+``GRPOTrainer``, :class:`TreeSFTTrainer` into its ``SFTTrainer`` (``train/``, which knows nothing of KV
+caches). ``envs/`` holds environments for TRL's ``environment_factory``; ``testing/`` the tiny offline
+fixtures the tests and benchmarks share.
 
 Importing the package is cheap: each public name loads its module on first use (the ``TYPE_CHECKING``
 imports below are for IDEs and type checkers only).
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .partition import LexicographicPartitionSampler, lexicographic_partition
     from .train.config import TreePPOConfig
+    from .train.sft_config import TreeSFTConfig
+    from .train.sft_trainer import TreeSFTTrainer
     from .train.trainer import TreePPOTrainer
     from .trie import PrefixTrie
     from .walk.errors import UnsupportedModelError
@@ -31,6 +34,8 @@ _EXPORTS = {
     "TreeExecutor": "trl_dta.walk.executor",
     "TreePPOConfig": "trl_dta.train.config",
     "TreePPOTrainer": "trl_dta.train.trainer",
+    "TreeSFTConfig": "trl_dta.train.sft_config",
+    "TreeSFTTrainer": "trl_dta.train.sft_trainer",
     "UnsupportedModelError": "trl_dta.walk.errors",
     "lexicographic_partition": "trl_dta.partition",
 }
@@ -41,6 +46,8 @@ __all__ = [
     "TreeExecutor",
     "TreePPOConfig",
     "TreePPOTrainer",
+    "TreeSFTConfig",
+    "TreeSFTTrainer",
     "UnsupportedModelError",
     "lexicographic_partition",
 ]

@@ -10,7 +10,8 @@ assistant message. The episode must pass τ²'s check (task reward 1), or it rai
 
 The rows are in TRL's conversational format with tools (``messages`` and ``tools``, as ``trl.SFTTrainer``
 reads them); ``tools`` are the JSON schemas of the environment's tools in the order TRL lists them, so the
-warm start renders the same system turn as the RL rollouts.
+warm start renders the same system turn as the RL rollouts. :func:`per_turn` cuts a conversation into
+per-turn samples (one per assistant turn).
 """
 
 from __future__ import annotations
@@ -63,3 +64,14 @@ def gold_conversation(row: dict, environment, closing: str = CLOSING) -> dict:
             f"{environment.reward_info}"
         )
     return {"messages": messages, "tools": json.dumps(tool_schemas(environment))}
+
+
+def per_turn(conversation: dict) -> list[dict]:
+    """A conversation as per-turn samples: one per assistant turn, the conversation up to and including it
+    (each sample a prefix of the next), as datasets that train each turn as its own sample are built."""
+    messages = conversation["messages"]
+    return [
+        {**conversation, "messages": messages[: end + 1]}
+        for end, message in enumerate(messages)
+        if message["role"] == "assistant"
+    ]
