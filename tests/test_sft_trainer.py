@@ -209,7 +209,7 @@ def test_refuses_compute_loss_func(tmp_path):
 
 
 def test_refuses_unknown_model_inputs():
-    from trl_dta.train.sft_rows import batch_samples
+    from trl_dta.train.sft_samples import batch_samples
 
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(ValueError, match="token_type_ids"):
