@@ -60,7 +60,8 @@ from .budgets import TokenBudgets
 from .checks import check_count
 from .deepspeed import assign_grad
 from .errors import MEMORY_ERRORS, WalkOutOfMemoryError
-from .sharding import fsdp_units, world_size
+from .ranks import world_size
+from .sharding import fsdp_units
 
 logger = logging.getLogger(__name__)
 
