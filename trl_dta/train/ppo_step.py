@@ -105,10 +105,3 @@ class StepLosses:
                 self.logps, self.entropies, auxes, self.totals, self.magnitudes, aux_terms, strict=True
             )
         ]
-
-
-def take_oom_retries(executor) -> int:
-    """Walks of ``executor`` run again after running out of memory since the last call (0 without
-    recovery): what the trainer logs as ``tree/oom_retries``."""
-    recovery = getattr(executor, "oom_recovery", None)
-    return 0 if recovery is None else recovery.take_retries()

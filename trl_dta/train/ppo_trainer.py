@@ -49,7 +49,7 @@ from .multi_process import StepFlow, check_distributed, idle_walks
 from .ppo_config import TreePPOConfig
 from .ppo_losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
 from .ppo_rows import concat_batches, take_rows
-from .ppo_step import StepLosses, Walked, build_trie, scatter, take_oom_retries
+from .ppo_step import StepLosses, Walked, build_trie, scatter
 from .tree_args import PAPER
 
 logger = logging.getLogger(__name__)
@@ -329,7 +329,7 @@ class TreePPOTrainer(GRPOTrainer):
                         losses(k, lp, ent)
             seconds = time.perf_counter() - started
             self._log_trie(trie, "train" if training else "eval", seconds, executor, calls, score_from)
-            retries = sum(take_oom_retries(e) for e in self._executors.values())  # (all passes, since last)
+            retries = sum(e.take_oom_retries() for e in self._executors.values())  # (all passes, since last)
             self._metrics["train" if training else "eval"]["tree/oom_retries"].append(float(retries))
         if self.aux_loss_enabled:
             auxes = [
@@ -363,8 +363,8 @@ class TreePPOTrainer(GRPOTrainer):
         metrics["tree/calls"].append(float(forward + backward))
         metrics["tree/tokens_per_call"].append((executor.calls.tokens - before.tokens) / max(forward, 1))
         metrics["tree/time"].append(seconds)
-        for name, value in vars(executor.budgets).items():  # the budgets in use (memory-derived or given)
-            metrics[f"tree/{name}"].append(float(value))
+        for name, value in executor.budgets.metrics().items():  # the budgets in use (derived or given)
+            metrics[f"tree/{name}"].append(value)
 
     def _trl_loss(self, inputs, walked: Walked) -> torch.Tensor:
         """TRL's own loss of the micro-batch on the walk's values (its metrics and state), checked against the

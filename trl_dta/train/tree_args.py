@@ -11,8 +11,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass, field
 
-from ..walk.budgets import check_memory_budget
-from ..walk.checks import check_count
+from ..walk.budgets import Budgets
 
 _TITLE = "AReaL-DTA: Dynamic Tree Attention for Efficient Reinforcement Learning of Large Language Models"
 PAPER = {
@@ -91,10 +90,10 @@ class TreeArguments:
         super().__post_init__()
         if isinstance(self.tree_memory_budget, str) and self.tree_memory_budget != "auto":
             self.tree_memory_budget = float(self.tree_memory_budget)  # from the command line, e.g. "6e10"
-        check_memory_budget(self.tree_memory_budget)
-        if self.tree_block_size is not None:
-            check_count("tree_block_size", self.tree_block_size, minimum=1)
-        if self.tree_batch_tokens is not None:
-            check_count("tree_batch_tokens", self.tree_batch_tokens)
-        if self.tree_subtree_tokens is not None:
-            check_count("tree_subtree_tokens", self.tree_subtree_tokens)
+        Budgets(  # (validates them: the walk's budgets are checked in one place)
+            self.tree_memory_budget,
+            self.tree_block_size,
+            self.tree_batch_tokens,
+            self.tree_subtree_tokens,
+            prefix="tree_",
+        )
