@@ -33,7 +33,7 @@ from trl_dta.testing.grpo import (
 from trl_dta.testing.oom import InjectOOM
 from trl_dta.testing.sft import make_sft_config, tool_conversations
 from trl_dta.walk.errors import WalkOutOfMemoryError
-from trl_dta.walk.recovery import OOMRecovery, set_budgets
+from trl_dta.walk.recovery import OOMRecovery
 
 BUDGETS = dict(block_size=4, batch_tokens=6)  # chunked backward (pops recompute) and small leaf batches
 SAME_PLAN = 1e-6  # the issue's bound: a retried walk against an uninjected one of the same budgets
@@ -78,8 +78,10 @@ def set_grads(model, start):
 
 
 def settings(executor) -> tuple:
-    """The executor's budgets given by hand (None: derived), what the recovery halves and sets."""
-    return executor.block_size, executor.batch_tokens, executor.subtree_tokens
+    """The budgets the executor's next walk starts from: the halved ones in effect after running out of
+    memory, else those given by hand (None: derived)."""
+    halved = executor.budgets.halved
+    return executor.budgets.given if halved is None else tuple(vars(halved).values())
 
 
 def layer0(model):
@@ -229,7 +231,7 @@ def test_smaller_budgets_stay_then_grow_back_never_above_the_ceiling(model):
         for _ in range(3):
             executor.logprobs(trie)
     assert settings(executor) == (2, 3, 256)
-    set_budgets(executor, (8, 8, 0))  # set by hand: the new ceiling
+    executor.budgets.set_given(8, 8, 0)  # set by hand: the new ceiling
     with InjectOOM(layer0(model), 1):
         executor.backward(trie, loss_fn)
     for _ in range(2):

@@ -17,6 +17,7 @@ from trl_dta import TreeSFTConfig, TreeSFTTrainer
 from trl_dta.compare import relative_error
 from trl_dta.testing.grpo import GradRecorder, tiny_model, tiny_tokenizer
 from trl_dta.testing.sft import make_sft_config, per_turn_samples, prompt_completion, tool_conversations
+from trl_dta.walk.cache import HAS_STATE_API, STATE_API_VERSION
 
 TOL = 1e-4
 METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens")
@@ -131,6 +132,7 @@ def test_duplicates(tmp_path):
     assert_parity(tmp_path, tool_conversations(2, duplicates=6), assistant_only_loss=True)
 
 
+@pytest.mark.skipif(not HAS_STATE_API, reason=f"carried states need transformers >= {STATE_API_VERSION}")
 def test_hybrid_model(tmp_path):
     """Qwen3.5 (Gated DeltaNet + attention): the walk carries the linear-attention states."""
     import transformers
@@ -265,14 +267,19 @@ def test_refuses_compute_loss_func(tmp_path):
                        processing_class=tiny_tokenizer(), compute_loss_func=lambda *a, **k: 0)  # fmt: skip
 
 
-def test_logs_budgets_and_retries(tmp_path):
-    """The walk's budgets in use and its out-of-memory retries, as TreePPOTrainer logs them (the retried
-    case: tests/test_oom.py)."""
+def test_logs_budgets_retries_and_peak_memory(tmp_path):
+    """The walk's budgets in use, its out-of-memory retries (the retried case: tests/test_oom.py) and its
+    peak memory (on CPU the process's resident set, sampled in the walk), as TreePPOTrainer logs them."""
+    import resource
+
     budgets = dict(tree_block_size=64, tree_batch_tokens=96, tree_subtree_tokens=0)
     _, log, _ = train(TreeSFTTrainer, tmp_path, tool_conversations(4), **budgets)
+    high_water = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
     for h in log:
         assert (h["tree/block_size"], h["tree/batch_tokens"], h["tree/subtree_tokens"]) == (64, 96, 0)
         assert h["tree/oom_retries"] == 0.0
+        # torch alone is resident beyond 50 MB; statm's pages and ru_maxrss's count differ slightly
+        assert 50e6 < h["tree/peak_memory"] <= 1.05 * high_water
 
 
 def test_refuses_peft_prompt_learning_at_construction(tmp_path):

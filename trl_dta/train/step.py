@@ -49,6 +49,7 @@ from typing import NamedTuple
 import torch
 
 from ..trie import PrefixTrie
+from ..walk.budgets import Budgets
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
 from .gradient_check import GradientCheck
@@ -116,11 +117,11 @@ class StepWalker:
             raise ValueError("tree_check_gradients runs on a single process only.")
         if self.flow.deepspeed and self.check_gradients:  # (DeepSpeed's hooks would reduce the dense pass)
             raise ValueError("tree_check_gradients is not supported under DeepSpeed; check without it.")
+        names = ("tree_memory_budget", "tree_block_size", "tree_batch_tokens", "tree_subtree_tokens")
+        self.budget_options = tuple(_option(args, name) for name in names)
+        Budgets(*self.budget_options, prefix="tree_")  # (validated now: a plain TRL config is not)
+        self.reserved_bytes = 0.0
         self.options = {
-            "block_size": _option(args, "tree_block_size"),
-            "batch_tokens": _option(args, "tree_batch_tokens"),
-            "subtree_tokens": _option(args, "tree_subtree_tokens"),
-            "memory_budget": _option(args, "tree_memory_budget"),
             "lm_head_fp32": getattr(args, "cast_lm_head_to_fp32", False),
             "gather_per_layer": gather_per_layer,
             "oom_retries": _option(args, "tree_oom_retries"),
@@ -132,8 +133,17 @@ class StepWalker:
         self.flow.register(model)  # (DeepSpeed: the walk finds the engines)
         module = self.accelerator.unwrap_model(model)
         if id(module) not in self.executors:
-            self.executors[id(module)] = TreeExecutor(module, **self.options)
+            budgets = Budgets(*self.budget_options, reserved_bytes=self.reserved_bytes, prefix="tree_")
+            self.executors[id(module)] = TreeExecutor(module, budgets=budgets, **self.options)
         return self.executors[id(module)]
+
+    def reserve(self, reserved_bytes: float) -> None:
+        """Bytes another user of the device claims while the walks run or right after them (a colocated vLLM
+        engine): ``tree_memory_budget="auto"`` takes them off the free memory it measures, for every
+        executor (:class:`~trl_dta.walk.budgets.Budgets`)."""
+        self.reserved_bytes = reserved_bytes
+        for executor in self.executors.values():
+            executor.budgets.reserve(reserved_bytes)
 
     def disable_randomness(self, policy, *others) -> list[str]:
         """``disable_dropout``: zero every dropout probability and noise scale of ``policy`` and ``others``
@@ -181,7 +191,7 @@ class StepWalker:
 
     def take_oom_retries(self) -> int:
         """Walks retried after running out of memory, over every executor, since the last call."""
-        return sum(_take_retries(e) for e in self.executors.values())
+        return sum(e.take_oom_retries() for e in self.executors.values())
 
     def needs_idle_walks(self, model) -> bool:
         return self.flow.needs_idle_walks(self.accelerator.unwrap_model(model))
@@ -295,7 +305,7 @@ class StepWalk(AbstractContextManager):
                 self.executor.logprobs(_idle_trie())
 
     def _measured(self) -> None:
-        peak = getattr(self.executor, "peak_memory", None)
+        peak = self.executor.peak_memory
         if peak is not None:
             self.peak_memory = max(peak, self.peak_memory or 0)
 
@@ -311,7 +321,7 @@ class StepWalk(AbstractContextManager):
         metrics["tree/calls"].append(float(forward + backward))
         metrics["tree/tokens_per_call"].append((executor.calls.tokens - self._calls[2]) / max(forward, 1))
         metrics["tree/time"].append(time.perf_counter() - self._started)
-        for name, value in _budget_metrics(executor).items():  # the budgets in use (memory-derived or given)
+        for name, value in executor.budgets.metrics().items():  # the budgets in use (derived or given)
             metrics[f"tree/{name}"].append(float(value))
         metrics["tree/oom_retries"].append(float(self.walker.take_oom_retries()))
         if self.peak_memory is not None:
@@ -343,18 +353,3 @@ def _option(args, name: str):
     from .tree_args import TreeArguments
 
     return getattr(args, name, getattr(TreeArguments, name))
-
-
-# ---------------------------------------------------------------------- the executor's reports (contract C1)
-def _budget_metrics(executor) -> dict[str, float]:
-    budgets = executor.budgets
-    if budgets is None:
-        return {}
-    return budgets.metrics() if hasattr(budgets, "metrics") else vars(budgets)
-
-
-def _take_retries(executor) -> int:
-    if hasattr(executor, "take_oom_retries"):
-        return executor.take_oom_retries()
-    recovery = getattr(executor, "oom_recovery", None)
-    return 0 if recovery is None else recovery.take_retries()

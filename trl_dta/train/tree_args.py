@@ -11,7 +11,7 @@ from __future__ import annotations
 import textwrap
 from dataclasses import dataclass, field
 
-from ..walk.budgets import check_memory_budget
+from ..walk.budgets import Budgets
 from ..walk.checks import check_count
 
 _TITLE = "AReaL-DTA: Dynamic Tree Attention for Efficient Reinforcement Learning of Large Language Models"
@@ -101,11 +101,11 @@ class TreeArguments:
         super().__post_init__()
         if isinstance(self.tree_memory_budget, str) and self.tree_memory_budget != "auto":
             self.tree_memory_budget = float(self.tree_memory_budget)  # from the command line, e.g. "6e10"
-        check_memory_budget(self.tree_memory_budget)
-        if self.tree_block_size is not None:
-            check_count("tree_block_size", self.tree_block_size, minimum=1)
-        if self.tree_batch_tokens is not None:
-            check_count("tree_batch_tokens", self.tree_batch_tokens)
-        if self.tree_subtree_tokens is not None:
-            check_count("tree_subtree_tokens", self.tree_subtree_tokens)
+        Budgets(  # (validates them: the walk's budgets are checked in one place)
+            self.tree_memory_budget,
+            self.tree_block_size,
+            self.tree_batch_tokens,
+            self.tree_subtree_tokens,
+            prefix="tree_",
+        )
         check_count("tree_oom_retries", self.tree_oom_retries)
