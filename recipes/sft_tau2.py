@@ -23,10 +23,10 @@ Features:
   `--synthetic_tasks` synthetic create-task tasks; `--policy false` drops the domain policy from the prompt;
   `--per_turn` trains each assistant turn as its own sample.
 - Training: every `TreeSFTConfig` flag (TRL's `SFTConfig` plus `tree_*`); LoRA through TRL's `--use_peft`
-  flags; DDP or FSDP2 with `accelerate launch` (FSDP1 and DeepSpeed are refused by the trainer);
+  flags; DDP, FSDP2 or DeepSpeed ZeRO-2/3 with `accelerate launch` (FSDP1 is refused by the trainer);
   `--no_tree` trains with stock `trl.SFTTrainer` on the same settings (A/B).
 - Outputs in `output_dir`: the final model and `trainer_state.json`.
-- Not supported: τ² domains whose user has tools (telecom), multimodal inputs, FSDP1/DeepSpeed.
+- Not supported: τ² domains whose user has tools (telecom), multimodal inputs, FSDP1.
 """
 
 from __future__ import annotations

@@ -55,6 +55,7 @@ from ..walk.executor import TreeExecutor
 from .gradient_check import GradientCheck
 from .load_balancing import step_router_grad
 from .multi_process import StepFlow, check_distributed, check_trainable
+from .tree_args import TreeArguments
 
 logger = logging.getLogger(__name__)
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -350,6 +351,4 @@ def _idle_trie() -> PrefixTrie:
 
 
 def _option(args, name: str):
-    from .tree_args import TreeArguments
-
     return getattr(args, name, getattr(TreeArguments, name))
