@@ -217,10 +217,13 @@ class StepWalk(AbstractContextManager):
         self.router_grad = None
         self.peak_memory: int | None = None
         self._calls = None
+        self._executor: TreeExecutor | None = None
 
     @property
     def executor(self) -> TreeExecutor:
-        return self.walker.executor(self.model)
+        if self._executor is None:  # (once per step: unwrapping a model costs milliseconds in accelerate)
+            self._executor = self.walker.executor(self.model)
+        return self._executor
 
     def __enter__(self) -> StepWalk:
         if self.trie is not None:
