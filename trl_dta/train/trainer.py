@@ -40,6 +40,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
 from ..trie import PrefixTrie
+from ..vllm import VLLMMixin
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
 from . import distributed
@@ -57,7 +58,7 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatia
                "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
 
 
-class TreePPOTrainer(GRPOTrainer):
+class TreePPOTrainer(VLLMMixin, GRPOTrainer):
     """A drop-in replacement for ``trl.GRPOTrainer`` (same arguments) that trains on one prefix trie of each
     optimizer step's rollouts: shared prefixes are forwarded and backpropagated once, with exactly the
     dense gradients.
