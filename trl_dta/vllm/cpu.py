@@ -41,17 +41,17 @@ def engine_dtype(model) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def cpu_engine_settings(dtype_of):
+def cpu_engine_settings(settings):
     """While active, ``vllm.LLM`` built by TRL's colocate mode (``trl.generation.vllm_generation.LLM``) gets
-    ``dtype=dtype_of()`` and ``enforce_eager=True`` unless TRL passes them. ``dtype_of`` is called when the
-    engine is built (the policy is loaded by then)."""
+    the keywords ``settings()`` returns (e.g. ``{"dtype": torch.float32, "enforce_eager": True}``) where TRL
+    passes none of its own. ``settings`` is called when the engine is built (the policy is loaded by then)."""
     from trl.generation import vllm_generation
 
     build = vllm_generation.LLM
 
     def llm(*args, **kwargs):
-        kwargs.setdefault("dtype", dtype_of())
-        kwargs.setdefault("enforce_eager", True)
+        for key, value in settings().items():
+            kwargs.setdefault(key, value)
         return build(*args, **kwargs)
 
     vllm_generation.LLM = llm

@@ -28,12 +28,18 @@ class VLLMMixin:
 
     def __init__(self, *args, **kwargs):
         on_cpu = _cpu_engine()
-        settings = cpu.cpu_engine_settings(lambda: cpu.engine_dtype(self.model)) if on_cpu else None
+        settings = cpu.cpu_engine_settings(self._vllm_cpu_engine_kwargs) if on_cpu else None
         with settings or contextlib.nullcontext():
             super().__init__(*args, **kwargs)
         generation = getattr(self, "vllm_generation", None)
         if on_cpu and generation is not None and self.vllm_mode == "colocate":
             cpu.use_cpu_weight_sync(generation)
+
+    def _vllm_cpu_engine_kwargs(self) -> dict:
+        """``vllm.LLM`` keywords for a colocated CPU engine (called while TRL builds it; override to change):
+        the policy's dtype (TRL passes none, and vLLM would run a float32 model in bfloat16) and eager mode
+        (no ``torch.compile`` at start-up)."""
+        return {"dtype": cpu.engine_dtype(self.model), "enforce_eager": True}
 
     def _generate(self, prompts):
         started = time.perf_counter()
