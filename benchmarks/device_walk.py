@@ -187,7 +187,7 @@ def main() -> None:
         plan = executor.plan(trie, entropy_grad=False)
         recomputed = sum(s.segment.num_tokens for s in plan if isinstance(s, Push) and not s.keep_graph)
         dense = [dense_time(model, seqs, froms, args.micro_batches, device) for _ in range(args.repeats)]
-        row = {"budgets": vars(executor.budgets),
+        row = {"budgets": executor.budgets.metrics(),
                "calls": {"forward": executor.calls.forward - before[0],
                          "backward": executor.calls.backward - before[1]},
                "first_walk_s": walk_times[0], "walk_s": statistics.median(walk_times[1:]),

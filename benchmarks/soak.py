@@ -179,18 +179,17 @@ def retry_cost(executor, model, trie, device, repeats: int = 3) -> dict:
     """The cost of a retry on the soak's last trie: the walk at its budgets, at half of them, and with an
     out-of-memory error at its first and at its last model call (walked again at half the budgets); the
     median of ``repeats`` each, seconds."""
-    from trl_dta.walk.recovery import set_budgets
-
     layer = model.model.layers[0]
     with InjectOOM(layer, None) as count:
         executor.backward(trie, lambda i, lp, ent: -lp.sum())
     start = executor.token_budgets(trie, False)
-    settings = set_budgets(executor, tuple(vars(start).values()))
+    settings = executor.budgets.given
+    executor.budgets.set_given(*vars(start).values())
 
     def timed(at, halved=False):
         times = []
         for _ in range(repeats):
-            set_budgets(executor, tuple(vars(start.halved() if halved else start).values()))
+            executor.budgets.set_given(*vars(start.halved() if halved else start).values())
             model.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -205,7 +204,7 @@ def retry_cost(executor, model, trie, device, repeats: int = 3) -> dict:
     out = {"calls": count.calls, "budgets": str(start), "walk_s": timed(None),
            "halved_walk_s": timed(None, True), "oom_at_first_call_s": timed(1),
            "oom_at_last_call_s": timed(count.calls)}  # fmt: skip
-    set_budgets(executor, settings)
+    executor.budgets.set_given(*settings)
     return out
 
 

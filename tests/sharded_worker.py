@@ -248,7 +248,7 @@ def run_case(case: str, rank: int, world: int) -> dict:
                 "logprob_counts": dict(COUNTS),
                 "sequences": len(part),
                 "retries": retries,  # (gradient walk, log-prob walk)
-                "block_size": executor.block_size,
+                "block_size": executor.budgets.in_use.block_size,
             }
         )
     return out

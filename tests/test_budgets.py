@@ -3,6 +3,8 @@ priorities, the executor's use of them (explicit budgets win), and values-only e
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from conftest import VOCAB, dense_grads, grads_of, make_model, max_rel_diff
@@ -10,7 +12,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.testing.memory import SavedTensorMeter
-from trl_dta.walk.budgets import FIXED, MIN_CALL_TOKENS, TokenBudgets, activation_bytes, token_budgets
+from trl_dta.walk.budgets import (
+    AUTO_FRACTION,
+    FIXED,
+    MIN_CALL_TOKENS,
+    Budgets,
+    TokenBudgets,
+    activation_bytes,
+    token_budgets,
+)
 
 SHAPES = dict(vocab_size=2000, hidden_size=256, intermediate_size=704, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, num_hidden_layers=2,
@@ -92,6 +102,141 @@ def test_executor_budgets_from_memory_and_explicit_ones_win():
         TreeExecutor(model, memory_budget="lots")
 
 
+def test_budgets_options_are_validated_in_one_place():
+    """Every bad option raises at construction, naming it as the caller spells it (the trainers' config
+    builds a Budgets with prefix "tree_"); good ones are kept as given."""
+    bad = [
+        (dict(block_size=0), ValueError, "block_size must be >= 1"),
+        (dict(block_size=2.5), TypeError, "block_size must be an int"),
+        (dict(batch_tokens=-1), ValueError, "batch_tokens must be >= 0"),
+        (dict(subtree_tokens="8"), TypeError, "subtree_tokens must be an int"),
+        (dict(memory_budget=0), ValueError, "memory_budget must be"),
+        (dict(memory_budget="lots"), ValueError, "memory_budget must be"),
+        (dict(memory_budget=float("inf")), ValueError, "memory_budget must be"),
+        (dict(memory_budget=True), ValueError, "memory_budget must be"),
+        (dict(reserved_bytes=-1), ValueError, "reserved_bytes must be"),
+        (dict(reserved_bytes=float("nan")), ValueError, "reserved_bytes must be"),
+        (dict(reserved_bytes="1GB"), TypeError, "reserved_bytes must be a number"),
+    ]
+    for options, error, message in bad:
+        with pytest.raises(error, match=message):
+            Budgets(**options)
+        with pytest.raises(error, match="tree_" + message):
+            Budgets(**options, prefix="tree_")
+    budgets = Budgets(memory_budget=3e9, block_size=8, batch_tokens=0, reserved_bytes=1 << 30)
+    assert budgets.given == (8, 0, None) and budgets.memory_budget == 3e9
+    assert budgets.reserved_bytes == 1 << 30
+    assert budgets.in_use is None and budgets.metrics() == {} and budgets.history == []
+    with pytest.raises(ValueError, match="reserved_bytes"):
+        budgets.reserve(-5)
+    with pytest.raises(ValueError, match="either"):  # an executor takes a Budgets or the keywords
+        TreeExecutor(make_model("qwen3", "sdpa"), block_size=4, budgets=budgets)
+
+
+def test_budgets_are_derived_per_trie_and_reported():
+    """With a memory budget, each trie gets its own budgets (the block follows its longest path); the walk
+    records them as ``in_use``, its metrics and history report them."""
+    model = make_model("qwen3", "sdpa", dtype=torch.float32, seed=0)
+    per = activation_bytes(model.config, torch.float32)
+    memory = per.transient * 1024 + 700 * (per.token + per.scored + per.position)  # the paths and 512 more
+    executor = TreeExecutor(model, memory_budget=memory)
+    loss = lambda i, lp, ent: -lp.sum()  # noqa: E731
+    short = PrefixTrie.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8]])
+    base = [1 + t % 50 for t in range(40)]
+    long = PrefixTrie.from_sequences([base, base[:30] + [7, 7]])
+    used = []
+    for trie in (short, long, long):
+        executor.backward(trie, loss)
+        used.append(executor.budgets.in_use)
+        path = max(n.start for n in trie.nodes() if n.is_leaf)
+        derived = token_budgets(model.config, torch.float32, memory, "cpu", path, entropy_grad=False)
+        assert used[-1] == derived  # (the walk's entropies carry no gradient: it computes none)
+    assert used[0].block_size == 3 and used[1].block_size == 30  # the longest path above a leaf
+    assert executor.budgets.metrics() == {k: float(v) for k, v in vars(used[1]).items()}
+    assert [(c.event, c.budgets) for c in executor.budgets.history] == [("walk", used[0]), ("walk", used[1])]
+    model.zero_grad(set_to_none=True)
+
+
+def test_budgets_halve_and_grow_back_to_the_options():
+    model = make_model("qwen3", "sdpa", seed=0)
+    lm = TreeExecutor(model).lm
+    trie = PrefixTrie.from_sequences([[1, 2, 3, 4, 5], [1, 2, 3, 6, 7, 8]])
+    budgets = Budgets(memory_budget=None, block_size=40, batch_tokens=6)
+    start = budgets.derive(trie, lm)
+    assert start == TokenBudgets(40, 6, FIXED.subtree_tokens)
+    assert budgets.halve(start) == TokenBudgets(20, 3, 256) == budgets.derive(trie, lm)
+    assert budgets.halve(TokenBudgets(20, 3, 256)) == TokenBudgets(10, 1, 128) == budgets.halved
+    assert budgets.halvings == 2 and budgets.given == (40, 6, None)  # the options are kept
+    budgets.grow()
+    assert budgets.derive(trie, lm) == TokenBudgets(20, 3, 256)  # one halving back, from the ceiling
+    budgets.grow()
+    assert budgets.halved is None and budgets.derive(trie, lm) == start  # the options' own again
+    budgets.grow()  # (nothing to grow)
+    assert budgets.halve(TokenBudgets(1, 0, 0)) is None and budgets.halvings == 0  # nothing to halve
+    budgets.halve(start)
+    budgets.set_given(8, 8, 0)  # by hand: replaces the halved budgets
+    assert budgets.halvings == 0 and budgets.derive(trie, lm) == TokenBudgets(8, 8, 0)
+    events = [(c.event, c.budgets) for c in budgets.history]
+    assert events == [
+        ("halved", TokenBudgets(20, 3, 256)), ("halved", TokenBudgets(10, 1, 128)),
+        ("grown", TokenBudgets(20, 3, 256)), ("grown", None), ("halved", TokenBudgets(20, 3, 256)),
+        ("set", None),
+    ]  # fmt: skip
+
+
+def test_auto_takes_reserved_bytes_off_the_free_memory(monkeypatch):
+    """ "auto" on CUDA: AUTO_FRACTION x (free - reserved) - what the first optimizer step adds, measured once;
+    reserve() changes it for the next walks. (The CUDA memory query is mocked: no GPU here; the arithmetic
+    and the derivation from it are real.)"""
+    model = make_model("qwen3", "sdpa", seed=0)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    gib = float(1 << 30)
+    calls = []
+
+    def mem_get_info(device):
+        calls.append(device)
+        return 2 * gib, 80 * gib
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 0.5 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 0.25 * gib)
+    budgets = Budgets(reserved_bytes=gib)
+    cuda = torch.device("cuda")
+    free = 2.25 * gib  # the driver's free memory and the allocator's unused cache
+    expected = AUTO_FRACTION * (free - gib) - 3 * params  # (no gradients yet: gradients and two Adam states)
+    assert budgets.memory_bytes(model, cuda) == pytest.approx(expected)
+    budgets.reserve(0.5 * gib)
+    assert budgets.memory_bytes(model, cuda) == pytest.approx(expected + AUTO_FRACTION * 0.5 * gib)
+    assert len(calls) == 1  # measured once, at the first walk
+    assert Budgets(memory_budget=1e9, reserved_bytes=gib).memory_bytes(model, cuda) == 1e9  # given: as is
+    assert Budgets().memory_bytes(model, torch.device("cpu")) is None  # off CUDA: the fixed budgets
+    with pytest.raises(RuntimeError, match="reserved"):
+        Budgets(reserved_bytes=free).memory_bytes(model, cuda)
+
+
+def _resident() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_peak_memory_is_reported_after_a_walk():
+    """CPU: the process's resident set size at the walk's high points (trl_dta/walk/peak.py), sampled from
+    its start: at least what was resident when it started; set by every walk."""
+    model = make_model("qwen3", "sdpa", seed=0)
+    executor = TreeExecutor(model)
+    assert executor.peak_memory is None
+    trie = PrefixTrie.from_sequences([[1 + t % 50 for t in range(200)], [1, 2, 3, 4, 5]])
+    executor.backward(trie, lambda i, lp, ent: -lp.sum())
+    assert executor.peak_memory > 0
+    ballast = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB more resident during the next walk
+    resident = _resident()
+    executor.logprobs(trie)
+    slack = 16 << 20  # (pages the allocator returns between the two reads)
+    assert executor.peak_memory >= resident - slack and resident > (64 << 20)
+    del ballast
+    model.zero_grad(set_to_none=True)
+
+
 @pytest.mark.usefixtures("fp64_exact")
 def test_memory_derived_walk_is_exact():
     """A memory budget too small for the longest path: chunked backward and small calls, still exact."""
@@ -105,7 +250,7 @@ def test_memory_derived_walk_is_exact():
     executor = TreeExecutor(model, memory_budget=memory)
     model.zero_grad(set_to_none=True)
     executor.backward(PrefixTrie.from_sequences(seqs), loss_fn)
-    assert executor.budgets.block_size < 30  # the path does not fit: recomputed at pop
+    assert executor.budgets.in_use.block_size < 30  # the path does not fit: recomputed at pop
     assert max_rel_diff(grads_of(model), ref) < 1e-10
 
 

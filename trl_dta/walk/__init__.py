@@ -9,9 +9,12 @@ packed), ``scoring.py`` (which positions get the LM head, a sequence's log-probs
 ``transformers`` model), ``cache.py`` (the cache object the model writes into), ``path_kv.py`` (the path's
 K/V in one buffer per layer), ``packing.py`` (positions and mask of a packed row), ``checks.py``,
 ``determinism.py`` and ``probe.py`` (what is refused, randomness, and the construction probe),
-``errors.py`` (:class:`UnsupportedModelError`, out-of-memory errors). Around the walk: ``recovery.py`` (a
-walk that runs out of memory, walked again with halved budgets), ``sharding.py`` and ``lockstep.py`` (FSDP2:
-gather once, or per layer with every rank's calls in step), ``flops.py`` (the FLOP-weighted ideal speedup).
+``errors.py`` (:class:`UnsupportedModelError`, out-of-memory errors). Around the walk: ``budgets.py``
+(:class:`~trl_dta.walk.budgets.Budgets`: the token budgets, from a memory budget, halved and grown back),
+``costs.py`` (what a call costs: which calls the plan merges), ``recovery.py`` (a walk that runs out of
+memory, walked again with halved budgets), ``peak.py`` (the memory a walk peaks at), ``sharding.py`` and
+``lockstep.py`` (FSDP2: gather once, or per layer with every rank's calls in step), ``flops.py`` (the
+FLOP-weighted ideal speedup).
 """
 
 from __future__ import annotations

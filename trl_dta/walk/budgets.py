@@ -22,17 +22,30 @@ Memory model, per optimizer step's walk (bytes)::
 
 ``scored`` counts the LM head's saved log-softmax (and the entropy's, when it has a gradient) for every
 token, as if every token were scored: an upper bound for prompts the loss does not read.
+
+:class:`Budgets` is the one object that owns them for an executor: built once from the options (the only
+place they are validated), it resolves the memory budget, derives the budgets of each walk, halves them when
+a walk runs out of memory and grows them back (:mod:`trl_dta.walk.recovery` decides when), keeps their
+history and reports them (``in_use``, ``metrics()``).
 """
 
 from __future__ import annotations
 
+import logging
+import math
+from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from .checks import check_count
+from .errors import ArgumentTypeError
+
+logger = logging.getLogger(__name__)
 
 AUTO_FRACTION = 0.9  # memory_budget="auto" on CUDA: this share of the free memory at the first walk
+HISTORY = 1000  # changes of the budgets in use that Budgets.history keeps (the latest)
 MIN_CALL_TOKENS = 512  # below this, calls are too small to keep a GPU busy: rather recompute
 HEAD_ROWS = 1024  # the LM head runs on at most this many positions at once (scoring.py)
 
@@ -53,15 +66,6 @@ class TokenBudgets:
 
 # Without a memory budget (None, or "auto" off CUDA): the budgets measured fastest on a 2-core CPU.
 FIXED = TokenBudgets(block_size=2048, batch_tokens=2048, subtree_tokens=512)
-
-
-def check_memory_budget(value):
-    """A ``memory_budget`` argument: None, "auto", or a positive number of bytes."""
-    if value is None or value == "auto":
-        return value
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ValueError(f'memory_budget must be "auto", None or a positive number of bytes, got {value!r}')
-    return value
 
 
 @dataclass(frozen=True)
@@ -186,11 +190,11 @@ def token_budgets(
     return TokenBudgets(block_size=block, batch_tokens=calls, subtree_tokens=calls)
 
 
-def auto_memory_bytes(model: torch.nn.Module, device: torch.device, fraction: float) -> float | None:
-    """``memory_budget="auto"``: on CUDA, ``fraction`` of the device's free memory now (what the driver has
-    free and what PyTorch's allocator holds unused), less what the first
-    optimizer step will still allocate (each trainable parameter's gradient if it has none yet, and two Adam
-    states); None elsewhere (the device kind's fixed defaults apply)."""
+def measure_free_memory(model: torch.nn.Module, device: torch.device) -> tuple[float, float] | None:
+    """``memory_budget="auto"``, measured: on CUDA, the device's free memory now (what the driver has free and
+    what PyTorch's allocator holds unused) and what the first optimizer step will still allocate (each
+    trainable parameter's gradient if it has none yet, and two Adam states); None elsewhere (the device
+    kind's fixed budgets apply)."""
     if device.type != "cuda":
         return None
     free, _ = torch.cuda.mem_get_info(device)
@@ -201,11 +205,233 @@ def auto_memory_bytes(model: torch.nn.Module, device: torch.device, fraction: fl
             # the full size (ZeRO-3 partitions hold ds_numel; FSDP2's DTensors count their global size)
             size = (getattr(p, "ds_numel", None) or p.numel()) * p.element_size()
             later += 2 * size + (size if p.grad is None else 0)
-    budget = fraction * free - later
+    return float(free), float(later)
+
+
+def auto_memory_bytes(free: float, later: float, reserved: float = 0, fraction: float = AUTO_FRACTION):
+    """``memory_budget="auto"``'s bytes: ``fraction`` of the ``free`` bytes measured less the ``reserved``
+    ones (another user of the device, such as a colocated vLLM engine, will claim them), less the ``later``
+    bytes the first optimizer step will allocate (:func:`measure_free_memory`)."""
+    budget = fraction * (free - reserved) - later
     if budget <= 0:
         raise RuntimeError(
-            f"memory_budget='auto': {free / 2**30:.2f} GiB free on {device}, of which {fraction:.0%} leaves "
-            f"nothing after the first optimizer step's gradients and Adam states ({later / 2**30:.2f} GiB); "
-            "pass memory_budget in bytes, or the token budgets."
+            f"memory_budget='auto': {free / 2**30:.2f} GiB free, less {reserved / 2**30:.2f} GiB reserved "
+            f"for other users of the device, of which {fraction:.0%} leaves nothing after the first "
+            f"optimizer step's gradients and Adam states ({later / 2**30:.2f} GiB); pass memory_budget in "
+            "bytes, or the token budgets."
         )
     return budget
+
+
+def activation_dtype(lm) -> torch.dtype:
+    """The activations' dtype of a walk through ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`):
+    autocast's where it is on, else the LM head's weights'."""
+    if torch.is_autocast_enabled(lm.device.type):
+        return torch.get_autocast_dtype(lm.device.type)
+    return lm.lm_head.weight.dtype
+
+
+class BudgetChange(NamedTuple):
+    """An entry of :attr:`Budgets.history`: ``event`` is "walk" (a walk used other budgets than the walk
+    before it), "halved" (a walk ran out of memory: the next ones use ``budgets``), "grown" (one halving
+    back: ``budgets``, or None where the options' own budgets apply again) or "set" (given by hand:
+    ``budgets`` None)."""
+
+    event: str
+    budgets: TokenBudgets | None
+
+
+def _count_or_none(name: str, value, minimum: int = 0) -> int | None:
+    return None if value is None else check_count(name, value, minimum=minimum)
+
+
+def _reserved(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ArgumentTypeError(f"{name} must be a number of bytes, got {value!r} ({type(value).__name__})")
+    if not 0 <= value < math.inf:  # (NaN fails too)
+        raise ValueError(f"{name} must be a finite number of bytes >= 0, got {value}")
+    return value
+
+
+class Budgets:
+    """The token budgets of an executor's walks: the options, validated here and nowhere else; the budgets
+    each walk uses; their halving and growth after running out of memory; their history and metrics.
+
+    Args:
+        memory_budget: bytes of activation memory a walk may use (the budgets not given are derived from it
+            for each trie, :func:`token_budgets`); "auto": on CUDA, ``AUTO_FRACTION`` of the free memory
+            measured at the first walk, less ``reserved_bytes`` and the first optimizer step's gradients and
+            Adam states; elsewhere, and with None, the fixed budgets :data:`FIXED`.
+        block_size, batch_tokens, subtree_tokens: budgets given by hand (None: derived), as
+            :class:`~trl_dta.walk.executor.TreeExecutor` documents them. A block given without a memory
+            budget that applies also sets the leaf batch, as before memory budgets.
+        reserved_bytes: bytes another user of the device will claim while the walks run or right after them
+            (a colocated vLLM engine that sleeps during training: ``vllm_gpu_memory_utilization`` x the
+            device's memory); "auto" takes them off the free memory it measures. Ignored by a memory budget
+            given in bytes. :meth:`reserve` changes them later.
+        prefix: how the caller spells the options in error messages ("tree_" for the trainers' configs).
+
+    Invalid options raise a ``ValueError`` (a wrong type: :class:`~trl_dta.walk.errors.ArgumentTypeError`,
+    a ``TypeError`` too) naming the option.
+    """
+
+    def __init__(
+        self,
+        memory_budget: float | str | None = "auto",
+        block_size: int | None = None,
+        batch_tokens: int | None = None,
+        subtree_tokens: int | None = None,
+        reserved_bytes: float = 0,
+        *,
+        prefix: str = "",
+    ):
+        self._prefix = prefix
+        if not (memory_budget is None or memory_budget == "auto"):
+            if (
+                isinstance(memory_budget, bool)
+                or not isinstance(memory_budget, int | float)
+                or not (0 < memory_budget < math.inf)
+            ):
+                raise ValueError(
+                    f'{prefix}memory_budget must be "auto", None or a positive number of bytes, got '
+                    f"{memory_budget!r}"
+                )
+        self.memory_budget = memory_budget
+        self._given = self._check_given(block_size, batch_tokens, subtree_tokens)
+        self.reserved_bytes = _reserved(f"{prefix}reserved_bytes", reserved_bytes)
+        self.in_use: TokenBudgets | None = None  # those of the last walk
+        self.memory: float | None = None  # the memory budget in bytes, once known ("auto": at the first walk)
+        self.halvings = 0  # halvings in effect after running out of memory
+        self._measured: tuple[float, float] | None = None  # "auto" on CUDA: free bytes, the first step's
+        self._ceiling: TokenBudgets | None = None  # the budgets of the walk that first ran out of memory
+        self._halved: TokenBudgets | None = None  # the budgets in effect while halved
+        self._history: deque[BudgetChange] = deque(maxlen=HISTORY)
+
+    def _check_given(self, block_size, batch_tokens, subtree_tokens) -> tuple:
+        p = self._prefix
+        return (
+            _count_or_none(f"{p}block_size", block_size, minimum=1),
+            _count_or_none(f"{p}batch_tokens", batch_tokens),
+            _count_or_none(f"{p}subtree_tokens", subtree_tokens),
+        )
+
+    # ------------------------------------------------------------------ the options
+    @property
+    def block_size(self) -> int | None:
+        return self._given[0]
+
+    @property
+    def batch_tokens(self) -> int | None:
+        return self._given[1]
+
+    @property
+    def subtree_tokens(self) -> int | None:
+        return self._given[2]
+
+    @property
+    def given(self) -> tuple[int | None, int | None, int | None]:
+        """The budgets given by hand, ``(block_size, batch_tokens, subtree_tokens)``; None: derived."""
+        return self._given
+
+    @property
+    def halved(self) -> TokenBudgets | None:
+        """The halved budgets in effect after a walk ran out of memory (None: the options' own)."""
+        return self._halved
+
+    def set_given(self, block_size: int | None, batch_tokens: int | None, subtree_tokens: int | None) -> None:
+        """Give the budgets by hand from now on (None: derived). They replace halved ones, and become the
+        ceiling a later halving grows back to."""
+        self._given = self._check_given(block_size, batch_tokens, subtree_tokens)
+        self.halvings, self._ceiling, self._halved = 0, None, None
+        self._history.append(BudgetChange("set", None))
+
+    def reserve(self, reserved_bytes: float) -> None:
+        """Set :attr:`reserved_bytes` (for the walks from now on)."""
+        self.reserved_bytes = _reserved(f"{self._prefix}reserved_bytes", reserved_bytes)
+
+    # ------------------------------------------------------------------ a walk's budgets
+    def memory_bytes(self, model: torch.nn.Module, device: torch.device) -> float | None:
+        """The memory budget in bytes for a walk of ``model`` on ``device`` (None: the fixed budgets)."""
+        if self.memory_budget is None:
+            return None
+        if self.memory_budget != "auto":
+            self.memory = float(self.memory_budget)
+        else:
+            if self._measured is None:  # (once: later, the walks' own memory is in use)
+                self._measured = measure_free_memory(model, device)
+            measured = self._measured
+            self.memory = None if measured is None else auto_memory_bytes(*measured, self.reserved_bytes)
+        return self.memory
+
+    def derive(self, trie, lm, entropy_grad: bool = True) -> TokenBudgets:
+        """The budgets a walk of ``trie`` through ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`) uses:
+        the halved ones after running out of memory; else those given by hand, the others derived from the
+        memory budget for the trie's longest path (:func:`token_budgets`), or :data:`FIXED` where no memory
+        budget applies. ``entropy_grad``: the walk's entropies carry a gradient."""
+        if self._halved is not None:
+            return self._halved
+        memory = self.memory_bytes(lm.model, lm.device)
+        derived = FIXED
+        if memory is not None:
+            path = max((n.start for n in trie.nodes() if n.is_leaf), default=0)
+            dtype = activation_dtype(lm)
+            derived = token_budgets(lm.config, dtype, memory, lm.device.type, path, entropy_grad)
+        block, batch, subtree = self._given
+        block = derived.block_size if block is None else block
+        if batch is None:  # a block given by hand: the leaf batch follows it, as before memory budgets
+            batch = block if self.block_size is not None and memory is None else derived.batch_tokens
+        return TokenBudgets(block, batch, derived.subtree_tokens if subtree is None else subtree)
+
+    def use(self, budgets: TokenBudgets, name: str = "") -> None:
+        """Record ``budgets`` as those of the walk now starting (:attr:`in_use`)."""
+        if budgets != self.in_use:
+            logger.info("%s: tree walk budgets %s", name or "model", budgets)
+            self._history.append(BudgetChange("walk", budgets))
+        self.in_use = budgets
+
+    # ------------------------------------------------------------------ out of memory
+    def halve(self, used: TokenBudgets) -> TokenBudgets | None:
+        """A walk at ``used`` ran out of memory: each budget halved (the block at least 1 token) is in effect
+        from now on, and returned; None where halving changes nothing (nothing is changed)."""
+        smaller = used.halved()
+        if smaller == used:
+            return None
+        if self.halvings == 0:
+            self._ceiling = used
+        self.halvings += 1
+        self._halved = smaller
+        self._history.append(BudgetChange("halved", smaller))
+        return smaller
+
+    def grow(self) -> None:
+        """Grow back one halving: never above the budgets of the walk that first ran out; grown back all the
+        way, the options' own budgets apply again (derived for each trie where they were)."""
+        if not self.halvings:
+            return
+        self.halvings -= 1
+        self._halved = None
+        if self.halvings:
+            self._halved = self._ceiling
+            for _ in range(self.halvings):
+                self._halved = self._halved.halved()
+        self._history.append(BudgetChange("grown", self._halved))
+        logger.info("The tree walk's budgets grow back one halving: %s.", self._halved or "the options' own")
+
+    # ------------------------------------------------------------------ reports
+    @property
+    def history(self) -> list[BudgetChange]:
+        """How the budgets changed, oldest first (the latest ``HISTORY`` changes)."""
+        return list(self._history)
+
+    def metrics(self) -> dict[str, float]:
+        """The budgets in use, by name (``block_size``, ``batch_tokens``, ``subtree_tokens``): the trainers
+        log them as ``tree/<name>``. Empty before the first walk."""
+        return {} if self.in_use is None else {k: float(v) for k, v in vars(self.in_use).items()}
+
+    def __repr__(self) -> str:
+        names = ("block_size", "batch_tokens", "subtree_tokens")
+        given = ", ".join(f"{k}={v}" for k, v in zip(names, self._given, strict=True))
+        return (
+            f"Budgets(memory_budget={self.memory_budget!r}, {given}, reserved_bytes={self.reserved_bytes}; "
+            f"in use: {self.in_use}, halvings: {self.halvings})"
+        )

@@ -24,7 +24,7 @@ one walk:
 As under FSDP2: parameters a rank did not use in a gradient walk (MoE experts no token picked) get zero
 gradients, so every rank reduces the same tensors; a walk inside a walk of the same model runs inside the
 outer one's gather (a gradient walk inside a no-gradient one is refused); across ranks every walk ends with
-the ranks agreeing on its outcome (:func:`~trl_dta.walk.sharding.agree_on_outcome`: if one rank ran out of
+the ranks agreeing on its outcome (:func:`~trl_dta.walk.ranks.agree_on_outcome`: if one rank ran out of
 memory, every rank raises and :mod:`trl_dta.walk.recovery` walks again on all of them); a failed walk
 restores the hooks, releases the parameters and drops its gradients, and the trainer makes a rank with
 nothing to walk take part in the others' collectives.
@@ -52,6 +52,7 @@ from torch import nn
 
 from .errors import UnsupportedModelError
 from .lockstep import Lockstep
+from .ranks import agree_on_outcome, world_size
 
 _ENGINES: dict[int, weakref.ref] = {}  # id(engine.module) -> the engine
 _ACTIVE: dict[int, bool] = {}  # id(module) of each walk now running -> whether it computes gradients
@@ -184,15 +185,15 @@ def gathered(model: nn.Module, grad: bool, per_layer: bool = False):
             if zero3:
                 stack.enter_context(_hooks_suspended(engine))
                 stack.enter_context(_gathered_parameters(model))
-            agree = _world_size() > 1  # the ranks agree on how the walk ended (OOM recovery walks again)
+            agree = world_size() > 1  # the ranks agree on how the walk ended (OOM recovery walks again)
             try:
                 yield Lockstep()
             except BaseException as e:
                 if agree:
-                    _agree_on_outcome(model, e)  # (raises: this rank's error, or the peer's)
+                    agree_on_outcome(model, e)  # (raises: this rank's error, or the peer's)
                 raise
             if agree:
-                _agree_on_outcome(model, None)
+                agree_on_outcome(model, None)
             if grad:  # (while gathered: full-size zeros)
                 _zero_unused(model)
     except BaseException:
@@ -209,18 +210,6 @@ def gathered_for_check(model: nn.Module):
     if id(model) in _ACTIVE or not is_zero3(model):
         return contextlib.nullcontext()
     return gathered(model, grad=False)
-
-
-def _world_size() -> int:
-    from .sharding import world_size
-
-    return world_size()
-
-
-def _agree_on_outcome(model: nn.Module, error: BaseException | None) -> None:
-    from .sharding import agree_on_outcome  # (sharding imports this module)
-
-    agree_on_outcome(model, error)
 
 
 def _gathered_parameters(model: nn.Module):

@@ -40,8 +40,7 @@ from torch import nn
 
 from ..trie import PrefixTrie, TrieNode
 from . import deepspeed as zero
-from .budgets import AUTO_FRACTION, FIXED, TokenBudgets, auto_memory_bytes, check_memory_budget
-from .budgets import token_budgets as derive_budgets
+from .budgets import Budgets, TokenBudgets
 from .checks import check_count
 from .costs import CallCost
 from .errors import ArgumentTypeError, UnsupportedModelError
@@ -50,6 +49,7 @@ from .forwards import forward, forward_packed, forward_padded
 from .inputs import WalkInputs
 from .model import CausalLM
 from .path_kv import PathKV
+from .peak import PeakMemory
 from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, build_plan
 from .recovery import RETRIES, OOMRecovery
 from .router import RouterGrad, RouterStats, route
@@ -58,10 +58,6 @@ from .sharding import agree_on, fsdp_units, gathered
 from .state import CallCounts, Frame, OnSequence, SegmentOutputs, Walk, flat_outputs
 
 logger = logging.getLogger(__name__)
-
-
-def _count_or_none(name: str, value, minimum: int = 0):
-    return None if value is None else check_count(name, value, minimum=minimum)
 
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -112,6 +108,12 @@ class TreeExecutor:
             again with every budget it used halved, up to this many times, its partial gradients discarded;
             the smaller budgets stay for later walks and grow back after a while
             (:mod:`trl_dta.walk.recovery`, ``oom_recovery``). 0: an out-of-memory error is raised as it is.
+        budgets: a :class:`~trl_dta.walk.budgets.Budgets` built by the caller (with ``reserved_bytes``, say),
+            instead of ``block_size``, ``batch_tokens``, ``subtree_tokens`` and ``memory_budget``.
+
+    :attr:`budgets` (the :class:`~trl_dta.walk.budgets.Budgets`) reports the budgets in use
+    (``budgets.in_use``, ``budgets.metrics()``), :meth:`take_oom_retries` the walks retried after running out
+    of memory, :attr:`peak_memory` the last walk's peak memory (:mod:`trl_dta.walk.peak`).
 
     Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
     HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
@@ -128,21 +130,23 @@ class TreeExecutor:
         gather_per_layer: bool = False,
         memory_budget: float | str | None = "auto",
         oom_retries: int = RETRIES,
+        budgets: Budgets | None = None,
     ):
-        # budgets given by hand (None: from memory_budget, see token_budgets)
-        self.block_size = _count_or_none("block_size", block_size, minimum=1)
-        self.batch_tokens = _count_or_none("batch_tokens", batch_tokens)
-        self.subtree_tokens = _count_or_none("subtree_tokens", subtree_tokens)
-        self.memory_budget = check_memory_budget(memory_budget)
+        if budgets is None:
+            budgets = Budgets(memory_budget, block_size, batch_tokens, subtree_tokens)
+        elif not isinstance(budgets, Budgets):
+            raise ArgumentTypeError(f"budgets must be a Budgets, got {type(budgets).__name__}")
+        elif (block_size, batch_tokens, subtree_tokens, memory_budget) != (None, None, None, "auto"):
+            raise ValueError("pass the budgets either as budgets= or as keywords, not both")
+        self.budgets = budgets  # the options, the budgets in use, their halving after running out of memory
         self._pack_leaves = bool(pack_leaves)
         self.gather_per_layer = bool(gather_per_layer)
         self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32)
         self.calls = CallCounts()  # model calls of every walk so far (tree/calls, tree/tokens_per_call)
-        self.budgets: TokenBudgets | None = None  # those of the last walk (tree/block_size, ...)
         # which calls to merge: the device kind's cost model unless set (:mod:`trl_dta.walk.costs`)
         self.call_cost: CallCost | None = None
-        self._memory: float | None = None  # memory_budget in bytes, once known ("auto": at the first walk)
         self.oom_recovery = OOMRecovery(oom_retries) if check_count("oom_retries", oom_retries) else None
+        self.peak_memory: int | None = None  # bytes, the last walk's peak (:mod:`trl_dta.walk.peak`)
 
     @property
     def pack_leaves(self) -> bool:
@@ -154,44 +158,25 @@ class TreeExecutor:
         return self.lm.device
 
     def token_budgets(self, trie: PrefixTrie, entropy_grad: bool = True) -> TokenBudgets:
-        """The budgets a walk of ``trie`` uses: those given to the constructor, the others derived from
-        ``memory_budget`` for this trie's longest path (:func:`trl_dta.walk.budgets.token_budgets`), or the
-        fixed defaults where no memory budget applies (:data:`trl_dta.walk.budgets.FIXED`)."""
-        if self._memory is None and self.memory_budget is not None:
-            if self.memory_budget == "auto":
-                self._memory = auto_memory_bytes(self.lm.model, self.device, AUTO_FRACTION)
-            else:
-                self._memory = float(self.memory_budget)
-        derived = FIXED
-        if self._memory is not None:
-            path = max((n.start for n in trie.nodes() if n.is_leaf), default=0)
-            derived = derive_budgets(
-                self.lm.config, self._dtype(), self._memory, self.device.type, path, entropy_grad
-            )
-        block = derived.block_size if self.block_size is None else self.block_size
-        if self.batch_tokens is not None:
-            batch = self.batch_tokens
-        else:  # a block given by hand: the leaf batch follows it, as before memory budgets
-            batch = block if self.block_size is not None and self._memory is None else derived.batch_tokens
-        subtree = derived.subtree_tokens if self.subtree_tokens is None else self.subtree_tokens
-        budgets = TokenBudgets(block, batch, subtree)
-        if budgets != self.budgets:
-            logger.info("%s: tree walk budgets %s", self.lm.name, budgets)
-        return budgets
+        """The budgets a walk of ``trie`` uses (:meth:`trl_dta.walk.budgets.Budgets.derive`): those given to
+        the constructor, the others derived from ``memory_budget`` for this trie's longest path, or the fixed
+        defaults where no memory budget applies; halved ones after running out of memory."""
+        return self.budgets.derive(trie, self.lm, entropy_grad)
 
-    def _dtype(self) -> torch.dtype:
-        """The activations' dtype: autocast's where it is on, else the LM head's weights'."""
-        if torch.is_autocast_enabled(self.device.type):
-            return torch.get_autocast_dtype(self.device.type)
-        return self.lm.lm_head.weight.dtype
+    def take_oom_retries(self) -> int:
+        """Walks run again after running out of memory since the last call (0 without recovery): what the
+        trainers log as ``tree/oom_retries``."""
+        return 0 if self.oom_recovery is None else self.oom_recovery.take_retries()
 
     def plan(self, trie: PrefixTrie, entropy_grad: bool = True) -> list:
         """The steps a walk of ``trie`` runs (:func:`trl_dta.walk.plan.build_plan`) with this executor's
-        budgets and the call cost model of its device and attention kernel; sets :attr:`budgets`."""
-        self.budgets = budgets = self.token_budgets(trie, entropy_grad)
+        budgets and the call cost model of its device and attention kernel; records the budgets as
+        ``budgets.in_use``."""
+        budgets = self.token_budgets(trie, entropy_grad)
+        self.budgets.use(budgets, self.lm.name)
         subtree = budgets.subtree_tokens if self.pack_leaves else 0
         costs = self.call_cost
-        if costs is None and self._memory is not None:  # (fixed budgets: each leaf batch filled, as measured)
+        if costs is None and self.budgets.memory is not None:  # (fixed budgets: each leaf batch filled)
             costs = CallCost.for_model(self.lm.config, self.device.type, self.lm.block_sparse)
         return build_plan(
             trie, budgets.block_size, budgets.batch_tokens, self.pack_leaves, subtree, costs=costs
@@ -336,7 +321,8 @@ class TreeExecutor:
             sharded = zero.gathered(model, grad, self.gather_per_layer)
         else:  # FSDP2 (or nothing to gather)
             sharded = gathered(model, grad, self.gather_per_layer, lm.decoder, lm.config.num_hidden_layers)
-        with lm.no_gradient_checkpointing(), sharded as lockstep:  # (its final reduction too)
+        peak = PeakMemory(self.device)
+        with lm.no_gradient_checkpointing(), sharded as lockstep, peak:  # (its final reduction too)
             lm.check_model()
             seq_from, node_from = scored_from(trie, score_from)
             entropy_grad = grad and entropies and entropy_grad
@@ -344,7 +330,7 @@ class TreeExecutor:
             walk = Walk(
                 trie, temperature, entropies, grad, on_sequence, PathKV(self._capacity(plan)), seq_from,
                 node_from, router, scoring, self.calls, lockstep, entropy_grad=entropy_grad,
-                inputs=WalkInputs(trie, plan, self.device, self.pack_leaves),
+                inputs=WalkInputs(trie, plan, self.device, self.pack_leaves), peak=peak,
             )  # fmt: skip
             lockstep.start(len(plan), grad)
             for step in plan:
@@ -357,7 +343,9 @@ class TreeExecutor:
                             self._pop(walk, frame, step.keep_graph)
                     else:
                         self._rows(walk, step)
+                peak.sample()
             lockstep.finish()
+        self.peak_memory = peak.peak
 
     def _capacity(self, plan) -> int:
         """The most cache positions a forward of ``plan`` reaches (its start + its row's tokens)."""
@@ -480,6 +468,7 @@ class TreeExecutor:
             ]
             if walk.scoring:
                 losses += self._row_losses(walk, step, hiddens, ids, start, lead)
+        walk.peak.sample()  # (the stack's graphs and this call's: where the walk's memory peaks)
         if walk.grad and self._backprop(losses, walk):
             walk.calls.backward += 1
 
@@ -536,6 +525,7 @@ class TreeExecutor:
         if router_term is not None and router_term.requires_grad:
             outs.append(router_term)
             grads.append(torch.ones_like(router_term))
+        walk.peak.sample()
         if outs and frame.pending is not None:  # the LM head alone, on the parent's hidden state
             torch.autograd.backward(outs, grads)
         elif outs:

@@ -13,18 +13,20 @@ trie, which changes at every call: budgets that fit one step's trie can fail on 
    fails otherwise, a refusal or a ``loss_fn`` that raises, also leaves the gradients as they were);
 2. the failed walk's buffers are freed (its exception, whose traceback holds its frames, is dropped; then
    ``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()``);
-3. every budget the failed walk used is halved (``block_size`` down to 1, the others down to 0) and set on
-   the executor as given by hand, and the same trie is walked again, up to ``retries`` times per walk.
+3. every budget the failed walk used is halved (``block_size`` down to 1, the others down to 0) by the
+   executor's :class:`~trl_dta.walk.budgets.Budgets` (``budgets.halve``: they replace the derived and given
+   ones), and the same trie is walked again, up to ``retries`` times per walk.
    Then :class:`~trl_dta.walk.errors.WalkOutOfMemoryError` names the budgets tried, the trie's longest
    path and what was being allocated (the last error's message), with the gradients as they were before
    the walk.
 
 The smaller budgets stay for later walks. After ``grow_after`` gradient walks (optimizer steps, in the
-trainer) without running out, they double back, one halving at a time, never above those of the walk that
-first ran out; grown back all the way, the executor's own settings return (budgets derived from its memory
-budget for each trie again, where they were). Budgets set on the executor by hand in between replace them
-all. A walk's result does not depend on its budgets beyond float rounding (every plan is exact), so a
-retried walk equals an uninterrupted one to rounding.
+trainer) without running out, they double back (``budgets.grow``), one halving at a time, never above those
+of the walk that first ran out; grown back all the way, the executor's own settings return (budgets derived
+from its memory budget for each trie again, where they were). Budgets given by hand in between
+(``budgets.set_given``) replace them all. This object decides when; the budgets live in ``Budgets`` alone.
+A walk's result does not depend on its budgets beyond float rounding (every plan is exact), so a retried
+walk equals an uninterrupted one to rounding.
 
 Across ranks. On a model sharded with FSDP2 (gather once), the ranks agree before the walk's final
 reduce-scatter (:func:`trl_dta.walk.sharding.gathered`): if any rank ran out of memory, no rank reduces,
@@ -58,7 +60,8 @@ from .budgets import TokenBudgets
 from .checks import check_count
 from .deepspeed import assign_grad
 from .errors import MEMORY_ERRORS, WalkOutOfMemoryError
-from .sharding import fsdp_units, world_size
+from .ranks import world_size
+from .sharding import fsdp_units
 
 logger = logging.getLogger(__name__)
 
@@ -66,27 +69,6 @@ T = TypeVar("T")
 
 RETRIES = 3  # halvings per walk before giving up: budgets down to 1/8
 GROW_AFTER = 100  # gradient walks without running out before the budgets double back, one halving at a time
-
-
-# ------------------------------------------------------------------ where the budgets live (one place)
-def walk_budgets(executor, trie, entropy_grad: bool) -> TokenBudgets:
-    """The budgets a walk of ``trie`` uses on ``executor`` (given by hand, or derived from its memory
-    budget)."""
-    return executor.token_budgets(trie, entropy_grad)
-
-
-def set_budgets(executor, settings: tuple) -> tuple:
-    """Set ``executor``'s budgets given by hand, ``(block_size, batch_tokens, subtree_tokens)`` (None:
-    derived from its memory budget); return the previous ones."""
-    old = (executor.block_size, executor.batch_tokens, executor.subtree_tokens)
-    executor.block_size, executor.batch_tokens, executor.subtree_tokens = settings
-    return old
-
-
-def _halved(budgets: TokenBudgets, times: int) -> TokenBudgets:
-    for _ in range(times):
-        budgets = budgets.halved()
-    return budgets
 
 
 def _str(budgets: TokenBudgets) -> str:
@@ -148,17 +130,13 @@ class OOMRecovery:
         self.grow_after = check_count("grow_after", grow_after)
         self.retried = 0  # walks run again so far
         self._taken = 0  # of which take_retries() has returned
-        self.halvings = 0  # halvings in effect now
-        self.ceiling: TokenBudgets | None = None  # the budgets of the walk that first ran out
-        self._settings: tuple | None = None  # the executor's own settings then (restored when grown back)
-        self._written: tuple | None = None  # the settings this object last set
         self._clean = 0  # gradient walks since the last halving or growth
 
     def run(self, executor, walk: Callable[[], T], trie, grad: bool, entropy_grad: bool = False) -> T:
         """``walk()`` (one walk of ``trie`` on ``executor``; ``grad``: it accumulates gradients;
         ``entropy_grad``: as the walk's, for the budgets it uses), walked again with halved budgets while it
         runs out of memory."""
-        self._adopt(executor)
+        budgets = executor.budgets
         if executor.gather_per_layer and world_size() > 1 and fsdp_units(executor.lm.model):
             return walk()  # the ranks' lock-step cannot be left and re-joined (module docstring)
         aside = _SetAside(executor.lm.model) if grad else None
@@ -169,10 +147,10 @@ class OOMRecovery:
             except MEMORY_ERRORS as e:
                 if aside is not None:
                     aside.drop()
-                used = walk_budgets(executor, trie, entropy_grad)
+                used = executor.token_budgets(trie, entropy_grad)  # (the failed walk's)
                 tried.append(used)
-                smaller = used.halved()
-                if attempt == self.retries or smaller == used:
+                smaller = budgets.halve(used) if attempt < self.retries else None
+                if smaller is None:
                     if aside is not None:
                         aside.restore()
                     raise self._give_up(trie, e, tried) from e
@@ -186,16 +164,9 @@ class OOMRecovery:
                 if aside is not None:
                     aside.merge()
                 if grad and attempt == 0:  # (a walk that ran out does not count)
-                    self._grow(executor)
+                    self._grow(budgets)
                 return result
             free_memory(executor.device)
-            if self.halvings == 0:
-                self.ceiling, self._settings = (
-                    used,
-                    (executor.block_size, executor.batch_tokens, executor.subtree_tokens),
-                )
-            self._write(executor, smaller)
-            self.halvings += 1
             self.retried += 1
             self._clean = 0
             logger.warning(
@@ -210,25 +181,11 @@ class OOMRecovery:
         new, self._taken = self.retried - self._taken, self.retried
         return new
 
-    def _write(self, executor, budgets: TokenBudgets | tuple) -> None:
-        settings = tuple(vars(budgets).values()) if isinstance(budgets, TokenBudgets) else budgets
-        set_budgets(executor, settings)
-        self._written = settings
-
-    def _adopt(self, executor) -> None:
-        """Budgets set on the executor by hand since this object last set them replace its state."""
-        current = (executor.block_size, executor.batch_tokens, executor.subtree_tokens)
-        if self.halvings and current != self._written:
-            self.halvings, self.ceiling, self._settings, self._clean = 0, None, None, 0
-
-    def _grow(self, executor) -> None:
+    def _grow(self, budgets) -> None:
         self._clean += 1
-        if self.halvings and self.grow_after and self._clean >= self.grow_after:
-            self.halvings -= 1
+        if budgets.halvings and self.grow_after and self._clean >= self.grow_after:
             self._clean = 0
-            after = self._settings if self.halvings == 0 else _halved(self.ceiling, self.halvings)
-            self._write(executor, after)
-            logger.info("The tree walk's budgets grow back one halving: %s.", after)
+            budgets.grow()
 
     def _give_up(self, trie, error: BaseException, tried: list[TokenBudgets]) -> WalkOutOfMemoryError:
         return WalkOutOfMemoryError(

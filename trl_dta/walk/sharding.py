@@ -21,7 +21,8 @@ gather the embeddings and the LM head. :func:`gathered` takes over for one walk,
 Per unit and per walk: one all-gather, and (gradient walks) one reduce-scatter, whatever the trie. While
 walking, a rank holds every parameter gathered and an unsharded gradient accumulator.
 
-Before anything is reduced, the ranks agree on how their walks ended (:func:`agree_on_outcome`, one
+Before anything is reduced, the ranks agree on how their walks ended
+(:func:`~trl_dta.walk.ranks.agree_on_outcome`, one
 all-reduce of a flag per walk, across ranks only): if one rank's walk failed, no rank reduces, the
 unreduced gradients are dropped on every rank, and every rank raises, the others
 :class:`~trl_dta.walk.errors.PeerOutOfMemoryError` where it ran out of memory, so that out-of-memory
@@ -52,12 +53,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from . import deepspeed as zero
-from .errors import MEMORY_ERRORS, PeerOutOfMemoryError, UnsupportedModelError
+from .errors import UnsupportedModelError
 from .lockstep import Lockstep
+from .ranks import agree_on_outcome, world_size
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule
@@ -111,10 +112,6 @@ def _layer_units(decoder: nn.Module, num_layers: int) -> list:
     """The FSDP2 unit of each decoder layer (the layer, or the first unit inside it; None if it has none)."""
     layers = _decoder_layers(decoder, num_layers)
     return [next((u for u in layer.modules() if isinstance(u, FSDPModule)), None) for layer in layers]
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _check_per_layer(units: list, layers: list, decoder_layers: list) -> None:
@@ -222,31 +219,6 @@ def agree_on(check, trie, model: nn.Module) -> None:
         agree_on_outcome(model, error, "refused its sequences (its error says why); no rank walks")
     if error is not None:
         raise error
-
-
-def _outcome(error: BaseException | None) -> int:
-    return 0 if error is None else 1 if isinstance(error, MEMORY_ERRORS) else 2
-
-
-def agree_on_outcome(model: nn.Module, error: BaseException | None, failed: str = "failed in its walk"):
-    """Every rank says how its part ended (``error``: this rank's, or None): return if no rank failed, else
-    raise on every rank: its own error; on the others :class:`~trl_dta.walk.errors.PeerOutOfMemoryError` if
-    a rank ran out of memory (and none failed otherwise), else a ``RuntimeError`` (also where this rank ran
-    out of memory and another failed otherwise: nothing to walk again). One all-reduce, on every rank."""
-    device = next(p.device for p in model.parameters())
-    flag = torch.tensor([_outcome(error)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    worst = int(flag.item())
-    if worst == 0:
-        return
-    if error is not None and _outcome(error) == worst:
-        raise error
-    if worst == 1:
-        raise PeerOutOfMemoryError(
-            "another rank's walk ran out of memory: no rank reduces its gradients, and every rank walks "
-            "again with halved budgets (trl_dta.walk.recovery) or gives up."
-        )
-    raise RuntimeError(f"another rank {failed}; no rank reduces its gradients.") from error
 
 
 def _drop_unreduced(units: list[nn.Module]) -> None:

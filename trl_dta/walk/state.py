@@ -24,6 +24,7 @@ from .cache import KV, LayerCache, expand_states, states_of
 from .inputs import WalkInputs
 from .lockstep import Lockstep
 from .path_kv import PathKV
+from .peak import PeakMemory
 from .plan import Segment
 from .router import RouterGrad, RouterStats
 
@@ -139,6 +140,7 @@ class Walk:
     stack: list[Frame] = field(default_factory=list)
     entropy_grad: bool = True  # entropies carry a graph (False: values only)
     inputs: WalkInputs | None = None  # every call's ids and packed-row index tensors, on the device
+    peak: PeakMemory = field(default_factory=lambda: PeakMemory(torch.device("meta")))  # memory at its peaks
 
     def first_scored(self, node: TrieNode) -> int:
         return 0 if self.node_from is None else self.node_from[node]
