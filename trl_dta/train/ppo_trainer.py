@@ -155,7 +155,9 @@ class TreePPOTrainer(VLLMMixin, GRPOTrainer):
         self._flow.register(model)  # (DeepSpeed: the walk finds the engines)
         model = self.accelerator.unwrap_model(model)
         if id(model) not in self._executors:
-            self._executors[id(model)] = TreeExecutor(model, **self._tree_options)
+            executor = TreeExecutor(model, **self._tree_options)
+            executor.budgets.reserve(self.vllm_reserved_bytes())  # (a colocated vLLM engine's share)
+            self._executors[id(model)] = executor
         return self._executors[id(model)]
 
     # ------------------------------------------------------------------ multi-process: re-partition

@@ -11,6 +11,7 @@ import contextlib
 import time
 
 from . import cpu
+from .memory import colocated_reserved_bytes
 
 
 def _cpu_engine() -> bool:
@@ -24,7 +25,9 @@ class VLLMMixin:
     CPU backend (and only there): the engine runs in the policy's dtype and eagerly, and weight syncs go
     through :func:`trl_dta.vllm.cpu.sync_weights`; on CUDA, TRL's own engine settings and sync are kept.
     Every mode and backend: logs ``generation_time``, the seconds spent in TRL's ``_generate`` (the weight
-    sync, the generation, the tool calls and their turns), beside TRL's ``step_time``."""
+    sync, the generation, the tool calls and their turns), beside TRL's ``step_time``. On a GPU with a
+    colocated engine in sleep mode, :meth:`vllm_reserved_bytes` is the memory the walk's budgets leave to
+    the engine (:mod:`trl_dta.vllm.memory`)."""
 
     def __init__(self, *args, **kwargs):
         on_cpu = _cpu_engine()
@@ -40,6 +43,11 @@ class VLLMMixin:
         the policy's dtype (TRL passes none, and vLLM would run a float32 model in bfloat16) and eager mode
         (no ``torch.compile`` at start-up)."""
         return {"dtype": cpu.engine_dtype(self.model), "enforce_eager": True}
+
+    def vllm_reserved_bytes(self) -> int:
+        """Bytes of this process's device a colocated vLLM engine claims back while the walks run or right
+        after them (:func:`~trl_dta.vllm.memory.colocated_reserved_bytes`); 0 where none does."""
+        return colocated_reserved_bytes(self.args, self.accelerator.device)
 
     def _generate(self, prompts):
         started = time.perf_counter()
