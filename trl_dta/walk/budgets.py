@@ -82,12 +82,14 @@ class ActivationBytes:
 class DeviceCosts:
     """What a model call costs on a device kind (:mod:`trl_dta.walk.costs` turns it into seconds per call for
     a given model): a fixed host cost per decoder layer and call (kernel launches on a GPU, Python and
-    dispatch on a CPU), the rate at which it runs FLOPs, and the call size past which larger calls no longer
-    pay."""
+    dispatch on a CPU), the rate at which it runs FLOPs, the call size past which larger calls no longer
+    pay, and whether the host's cost overlaps the device's compute (a GPU runs the kernels the host queued
+    while the host launches the next ones; a CPU computes on the host's own threads)."""
 
     layer_call_s: float  # seconds per decoder layer per forward + backward call, whatever its size
     flop_rate: float  # FLOP/s of the decoder's matmuls and attention
     max_call_tokens: int
+    overlap: bool = False
 
 
 # Per device kind. CUDA: benchmarks/launch_model.py's assumptions (a 28-layer forward + backward launches
@@ -95,7 +97,9 @@ class DeviceCosts:
 # measures them (benchmarks/gpu.sh). CPU: fitted on the project's 2-core machine by
 # benchmarks/call_costs.py (docs/benchmarks.md, "Call sizes").
 DEVICE_COSTS = {
-    "cuda": DeviceCosts(layer_call_s=182 * 5e-6, flop_rate=0.4 * 989e12, max_call_tokens=1 << 16),
+    "cuda": DeviceCosts(
+        layer_call_s=182 * 5e-6, flop_rate=0.4 * 989e12, max_call_tokens=1 << 16, overlap=True
+    ),
     # fitted 2026-12-01 (SmolLM2-wide 8-layer Llama, fp32, 2 threads): 1.8 ms per layer-call, 1.6e11 FLOP/s
     "cpu": DeviceCosts(layer_call_s=1.8e-3, flop_rate=1.6e11, max_call_tokens=2048),
 }

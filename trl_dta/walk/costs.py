@@ -15,11 +15,20 @@ One forward + backward call of the walk costs about::
 
 Merging two calls saves one ``fixed`` and, with a dense mask, costs the pairs between them that the mask
 hides. A GPU's launches are expensive next to its FLOPs: it merges far more than a CPU does.
+
+On a CPU the host computes: a walk costs the sum of its calls' costs (what ``benchmarks/call_costs.py``
+fitted, and the plan measured fastest there). On a GPU the host launches the next kernels while the device
+computes the ones queued before (the walk has no host sync inside: :mod:`trl_dta.walk.inputs`), so a walk
+takes about the larger of its summed ``fixed`` and its summed compute (``overlap``, :meth:`CallCost.walk`):
+once the compute hides the launches, merging more only adds the masked pairs. The plan therefore weighs
+``fixed`` by a ``launch_price`` in its merge decisions and keeps the fastest walk over several prices
+(:func:`trl_dta.walk.plan.build_plan`); ``benchmarks/launch_model.py`` checks the result on paper
+(docs/benchmarks.md, "The GPU plan on paper").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..trie import TrieNode
 from .budgets import device_costs
@@ -39,12 +48,19 @@ def needed_pairs(nodes) -> int:
 
 @dataclass(frozen=True)
 class CallCost:
-    """Seconds of one forward + backward call of a given model on a given device kind (module docstring)."""
+    """Seconds of one forward + backward call of a given model on a given device kind (module docstring).
+
+    ``overlap``: the device computes while the host launches (a GPU): a walk then takes about the larger of
+    its calls' summed ``fixed`` and summed compute (:meth:`walk`), not their sum. ``launch_price``: the
+    weight of ``fixed`` against compute in the merge decisions of :meth:`row` and :meth:`padded` (1: their
+    sum; :func:`trl_dta.walk.plan.build_plan` searches it where costs overlap)."""
 
     fixed: float
     per_token: float
     per_pair: float
     block_sparse: bool = False
+    overlap: bool = False
+    launch_price: float = 1.0
 
     @classmethod
     def for_model(cls, config, device_type: str, block_sparse: bool = False) -> CallCost:
@@ -67,18 +83,37 @@ class CallCost:
             per_token=6 * params * layers / device.flop_rate,
             per_pair=12 * q * layers / device.flop_rate,
             block_sparse=block_sparse,
+            overlap=device.overlap,
         )
 
-    def row(self, past: int, tokens: int, needed: int) -> float:
-        """One call forwarding ``tokens`` packed tokens on a past of ``past`` tokens, the tree needing
-        ``needed`` of their query-key pairs."""
+    def priced(self, launch_price: float) -> CallCost:
+        """The same costs, with ``fixed`` weighed by ``launch_price`` in merge decisions."""
+        return replace(self, launch_price=launch_price)
+
+    def row_compute(self, past: int, tokens: int, needed: int) -> float:
+        """The device's seconds for one call forwarding ``tokens`` packed tokens on a past of ``past`` tokens,
+        the tree needing ``needed`` of their query-key pairs."""
         pairs = needed + tokens * TILE if self.block_sparse else tokens * (past + tokens)
-        return self.fixed + self.per_token * tokens + self.per_pair * min(pairs, tokens * (past + tokens))
+        return self.per_token * tokens + self.per_pair * min(pairs, tokens * (past + tokens))
+
+    def padded_compute(self, past: int, rows: int, width: int) -> float:
+        """The device's seconds for one call forwarding ``rows`` right-padded rows of ``width`` tokens."""
+        return rows * (self.per_token * width + self.per_pair * width * (past + width))
+
+    def row(self, past: int, tokens: int, needed: int) -> float:
+        """One packed call, priced for merge decisions: ``launch_price x fixed`` + its compute."""
+        return self.launch_price * self.fixed + self.row_compute(past, tokens, needed)
 
     def padded(self, past: int, rows: int, width: int) -> float:
-        """One call forwarding ``rows`` right-padded rows of ``width`` tokens on a past of ``past`` tokens."""
-        return self.fixed + rows * (self.per_token * width + self.per_pair * width * (past + width))
+        """One call of right-padded rows, priced for merge decisions."""
+        return self.launch_price * self.fixed + self.padded_compute(past, rows, width)
 
     def walked(self, nodes: list[TrieNode]) -> float:
         """The walk of a subtree (``nodes``) node by node: a call per node, each on its own path."""
         return sum(self.row(n.start, n.num_tokens, needed_pairs([n])) for n in nodes)
+
+    def walk(self, calls: float, compute: float) -> float:
+        """Seconds of a walk of ``calls`` forward + backward calls computing for ``compute`` seconds: the
+        larger of the host's and the device's where they overlap, else their sum."""
+        launch = calls * self.fixed
+        return max(launch, compute) if self.overlap else launch + compute
