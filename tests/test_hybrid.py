@@ -24,6 +24,13 @@ from test_executor import loss_fn_for, shared_prefix_sequences
 
 from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError
 from trl_dta.compare import relative_error
+from trl_dta.walk.cache import HAS_STATE_API, STATE_API_VERSION
+
+# Before transformers 5.21 (the floor CI job runs 5.17) models read carried states from the cache's layers:
+# refused by the probe, naming the version (test_old_transformers_names_the_version)
+needs_state_api = pytest.mark.skipif(
+    not HAS_STATE_API, reason=f"carried states need transformers >= {STATE_API_VERSION}"
+)
 
 LOGP_TOL, GRAD_TOL = 1e-6, 1e-5  # relative; a few .float() casts remain (decay gates, Mamba2's logits)
 
@@ -88,6 +95,7 @@ def cached(family):
     return _MODELS[family]
 
 
+@needs_state_api
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_states_are_carried(family):
     executor = TreeExecutor(cached(family))
@@ -95,6 +103,7 @@ def test_states_are_carried(family):
     assert not executor.pack_leaves  # one leaf's state would run into the next leaf of a packed row
 
 
+@needs_state_api
 @pytest.mark.usefixtures("fp64_state_kernels")
 @pytest.mark.parametrize("family", list(CONFIGS))
 @settings(
@@ -124,6 +133,7 @@ def test_backward_and_logprobs_match_dense(family, seqs, block_size, batch_token
     assert total == pytest.approx(ref_total, rel=1e-5)  # Mamba2 returns float32 logits to the dense sum
 
 
+@needs_state_api
 @pytest.mark.usefixtures("fp64_state_kernels")
 @pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
 @pytest.mark.parametrize("block_size", [2, 1000])
@@ -152,6 +162,7 @@ def test_one_token_nodes_are_forwarded_with_their_children(family, block_size, m
     assert all(n > 1 for n, on_path in lengths if on_path)
 
 
+@needs_state_api
 @pytest.mark.usefixtures("fp64_state_kernels")
 def test_lora_backward_matches_dense():
     peft = pytest.importorskip("peft")
@@ -172,6 +183,7 @@ def test_lora_backward_matches_dense():
         assert max_rel_diff(grads_of(model), ref) <= GRAD_TOL
 
 
+@needs_state_api
 def test_state_not_carried_is_refused():
     """Mamba-1 layers restart their multi-token scan from zero: the probe sees the prefix's state ignored."""
     config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8)
@@ -189,6 +201,7 @@ def test_unknown_state_layer_kind_is_refused():
         check_stateful_layers(config, "Model")
 
 
+@needs_state_api
 @pytest.mark.parametrize("accumulation,lora", [(1, False), (4, False), (2, True)])
 def test_trainer_gradients_equal_stock_trl_on_qwen3_5(tmp_path, monkeypatch, accumulation, lora):
     """TreePPOTrainer on a tiny Qwen3.5 (Gated DeltaNet + attention) against stock GRPOTrainer: fp32, SGD,
@@ -227,6 +240,7 @@ def test_trainer_gradients_equal_stock_trl_on_qwen3_5(tmp_path, monkeypatch, acc
     assert stock_logs[1]["clip_ratio/region_mean"] > 0
 
 
+@needs_state_api
 @pytest.mark.usefixtures("fp64_state_kernels")
 @pytest.mark.parametrize("block_size", [2, 1000])
 def test_moe_aux_loss_with_one_token_nodes(block_size):
@@ -252,6 +266,7 @@ def test_moe_aux_loss_with_one_token_nodes(block_size):
     assert max_rel_diff(got, ref) <= GRAD_TOL
 
 
+@needs_state_api
 @pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
 def test_bf16_autocast_error_is_that_of_dense(family):
     """Under bf16 autocast the walk (states handed on in float32) is as close to the float32 gradients as
@@ -268,3 +283,10 @@ def test_bf16_autocast_error_is_that_of_dense(family):
     dense_err, tree_err = max_rel_diff(dense_bf16, ref), max_rel_diff(tree_bf16, ref)
     assert 0 < dense_err < 0.2  # bf16 really ran
     assert tree_err <= 2 * dense_err
+
+
+@pytest.mark.skipif(HAS_STATE_API, reason="this transformers has the cache state API")
+def test_old_transformers_names_the_version():
+    """On transformers < 5.21, a model that reads a carried state is refused, naming the version it needs."""
+    with pytest.raises(UnsupportedModelError, match=f"upgrade transformers to >= {STATE_API_VERSION}"):
+        TreeExecutor(hybrid_model("qwen3_5"))

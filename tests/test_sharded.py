@@ -131,7 +131,7 @@ def _accelerator(kind, version=None, deepspeed=None):
 
 
 def test_fsdp1_and_unsupported_deepspeed_settings_are_refused():
-    from trl_dta.train.parallel import check_distributed
+    from trl_dta.train.multi_process import check_distributed
 
     def zero(stage, **extra):
         return _accelerator(

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .partition import LexicographicPartitionSampler, lexicographic_partition
-    from .train.config import TreePPOConfig
+    from .train.ppo_config import TreePPOConfig
+    from .train.ppo_trainer import TreePPOTrainer
     from .train.sft_config import TreeSFTConfig
     from .train.sft_trainer import TreeSFTTrainer
-    from .train.trainer import TreePPOTrainer
     from .trie import PrefixTrie
     from .walk.errors import UnsupportedModelError
     from .walk.executor import TreeExecutor
@@ -32,8 +32,8 @@ _EXPORTS = {
     "LexicographicPartitionSampler": "trl_dta.partition",
     "PrefixTrie": "trl_dta.trie",
     "TreeExecutor": "trl_dta.walk.executor",
-    "TreePPOConfig": "trl_dta.train.config",
-    "TreePPOTrainer": "trl_dta.train.trainer",
+    "TreePPOConfig": "trl_dta.train.ppo_config",
+    "TreePPOTrainer": "trl_dta.train.ppo_trainer",
     "TreeSFTConfig": "trl_dta.train.sft_config",
     "TreeSFTTrainer": "trl_dta.train.sft_trainer",
     "UnsupportedModelError": "trl_dta.walk.errors",

@@ -1,22 +1,32 @@
-"""TRL integration: :class:`TreePPOTrainer`, TRL's ``GRPOTrainer`` with its policy forward/backward replaced
-by the tree walk. It knows nothing of KV caches.
+"""TRL integration: :class:`TreePPOTrainer` (TRL's ``GRPOTrainer``) and :class:`TreeSFTTrainer` (TRL's
+``SFTTrainer``) with their training forward/backward replaced by the tree walk. It knows nothing of KV
+caches.
 
-``config.py`` (:class:`TreePPOConfig`), ``trainer.py`` (the trainer: TRL's hooks), ``step.py`` (one optimizer
-step's trie walked with each row's TRL loss), ``rows.py`` (a TRL batch's rows as token sequences),
-``losses.py`` (TRL's loss per row), ``load_balancing.py`` (TRL's MoE load-balancing loss on a trie),
-``distributed.py`` (re-partition across ranks, one gradient all-reduce per step), ``parallel.py`` (what
-DDP, FSDP2 and DeepSpeed need around the walk: the checks at construction, the step flow),
-``gradient_check.py`` (``tree_check_gradients``), ``tree_args.py`` (the tree options both configs share).
+Files say whom they serve: ``ppo_*`` only :class:`TreePPOTrainer`, ``sft_*`` only :class:`TreeSFTTrainer`,
+the rest both.
 
-:class:`TreeSFTTrainer` (``sft_trainer.py``, ``sft_config.py``, ``sft_rows.py``: TRL's SFT batches as
-samples) is TRL's ``SFTTrainer`` on the same walk.
+* Shared: ``tree_args.py`` (the ``tree_*`` options both configs share, and the method's paper),
+  ``multi_process.py`` (DDP, FSDP2 and DeepSpeed around the walk:
+  the checks at construction, the step flow, idle walks, the gradient all-reduce), ``load_balancing.py``
+  (TRL's MoE load-balancing loss on a trie), ``gradient_check.py`` (``tree_check_gradients``).
+* PPO: ``ppo_config.py`` (:class:`TreePPOConfig`), ``ppo_trainer.py`` (the trainer: TRL's hooks),
+  ``ppo_step.py`` (a step's TRL micro-batches as trie sequences, and the walk's values back in TRL's shapes),
+  ``ppo_losses.py`` (TRL's loss per row), ``ppo_rows.py`` (a TRL batch's rows as token sequences; batches
+  merged and re-cut row-wise), ``ppo_repartition.py`` (a step's rollouts re-split across ranks).
+* SFT: ``sft_config.py`` (:class:`TreeSFTConfig`), ``sft_trainer.py`` (the trainer), ``sft_samples.py``
+  (TRL's SFT batches as samples).
+
+Words: a *row* is a row of a TRL batch tensor (PPO: one rollout, prompt then completion; SFT: one padded
+row, which padding-free and packing fill with several samples); a *sample* is what TRL's SFT forward
+attends over as one sequence; a *sequence* is what the walk takes, one per trie path (a PPO row's tokens, an
+SFT sample's).
 """
 
 from __future__ import annotations
 
-from .config import TreePPOConfig
+from .ppo_config import TreePPOConfig
+from .ppo_trainer import TreePPOTrainer
 from .sft_config import TreeSFTConfig
 from .sft_trainer import TreeSFTTrainer
-from .trainer import TreePPOTrainer
 
 __all__ = ["TreePPOConfig", "TreePPOTrainer", "TreeSFTConfig", "TreeSFTTrainer"]

@@ -1,4 +1,4 @@
-"""TRL's MoE load-balancing loss over the rows of a prefix trie, value and exact gradient.
+"""TRL's MoE load-balancing loss over the sequences of a prefix trie, value and exact gradient.
 
 TRL adds ``router_aux_loss_coef * aux`` to the loss of MoE models, where ``aux`` is Mixtral's
 ``load_balancing_loss_func`` over the router logits of every real token of every row of the micro-batch, all
@@ -10,7 +10,7 @@ sum of ``p[e]`` and ``M`` the number of (token, layer) pairs:
 
 The top-k counts ``C`` carry no gradient, so ``d aux = E / M**2 * sum <C, dp>`` over every (token, layer): a
 sum of per-token terms, which the tree walk can backpropagate node by node, once ``C`` is known. A token
-shared by ``w`` rows appears ``w`` times in the dense batch with the same ``p``, so a trie node of
+shared by ``w`` sequences appears ``w`` times in the dense batch with the same ``p``, so a trie node of
 multiplicity ``w`` gets the vector ``v = w * E * C / M**2`` and the walk backpropagates ``<v, p>`` for each of
 its tokens and layers (:meth:`TreeExecutor.backward`'s ``router_grad``,
 :mod:`trl_dta.walk.router`). ``C`` (and ``S``, for the value)
@@ -40,9 +40,9 @@ def node_weights(trie: PrefixTrie, sequences: Iterable[int]) -> dict[TrieNode, i
 def load_balancing_loss(
     stats: RouterStats, weights: dict[TrieNode, int], num_experts: int
 ) -> tuple[torch.Tensor, dict[TrieNode, torch.Tensor]]:
-    """The load-balancing loss of the rows whose tokens have multiplicities ``weights`` (a float32 scalar),
-    and per node the vector ``v`` whose ``<v, softmax(logits)>`` terms, summed over the node's tokens and
-    router layers, have the loss's gradient."""
+    """The load-balancing loss of the sequences whose tokens have multiplicities ``weights`` (a float32
+    scalar), and per node the vector ``v`` whose ``<v, softmax(logits)>`` terms, summed over the node's
+    tokens and router layers, have the loss's gradient."""
     counts = sum(w * stats.counts[n] for n, w in weights.items())
     probs = sum(w * stats.probs[n] for n, w in weights.items())
     pairs = stats.layers * sum(w * n.num_tokens for n, w in weights.items())
@@ -54,7 +54,7 @@ def load_balancing_loss(
 def step_router_grad(executor, trie: PrefixTrie, owners, coef: float, auxes: list, aux_terms: list) -> dict:
     """A step's walk of several micro-batches: each micro-batch's load-balancing loss (into ``auxes``, times
     ``coef`` into ``aux_terms``), and the summed per-node vectors the walk backpropagates (``router_grad``);
-    ``owners``: each trie sequence's :class:`~trl_dta.train.step.Owner`."""
+    ``owners``: each trie sequence's :class:`~trl_dta.train.ppo_step.Owner`."""
     stats = executor.router_stats(trie)
     router_grad: dict = {}
     for b in range(len(auxes)):

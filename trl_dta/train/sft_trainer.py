@@ -6,7 +6,7 @@ accumulation, logging, evaluation, checkpointing, saving. What changes:
 
 * :meth:`get_batch_samples` (where the Trainer fetches an optimizer step's micro-batches before training on
   them) keeps the step's micro-batches; at the step's first ``compute_loss`` every sample of all of them
-  goes into one prefix trie (:mod:`trl_dta.train.sft_rows`: a row, or each sample of a padding-free row),
+  goes into one prefix trie (:mod:`trl_dta.train.sft_samples`: a row, or each sample of a padding-free row),
   walked once by :meth:`TreeExecutor.backward`. Each sample's loss is TRL's terms for its tokens (``nll`` or
   ``dft``) with the normaliser of its micro-batch (``num_items_in_batch`` across accumulation and ranks, or
   the micro-batch's own token count and the accumulation steps), so the accumulated gradient is TRL's. The
@@ -18,7 +18,7 @@ accumulation, logging, evaluation, checkpointing, saving. What changes:
 * DDP: the walk runs on the unwrapped module and the gradients are averaged once per step; TRL's per-rank
   batches are kept. FSDP2: each walk gathers the sharded parameters once and reduce-scatters the gradients
   once (:mod:`trl_dta.walk.sharding`). FSDP1, DeepSpeed, context/sequence parallelism are refused (the
-  distributed checks are ``TreePPOTrainer``'s, :func:`~trl_dta.train.parallel.check_distributed`), as are
+  distributed checks are ``TreePPOTrainer``'s, :func:`~trl_dta.train.multi_process.check_distributed`), as are
   settings whose loss the walk cannot compute from its log-probs and entropies (label smoothing,
   ``compute_loss_func``, Liger kernels), multimodal data, MoE load balancing (``router_aux_loss_coef``),
   fp16, activation offloading.
@@ -41,11 +41,11 @@ from ..trie import PrefixTrie
 from ..walk.determinism import disable_randomness
 from ..walk.executor import TreeExecutor
 from ..walk.sharding import fsdp_units
-from . import distributed
 from .gradient_check import GradientCheck
-from .parallel import check_distributed, idle_walks
+from .multi_process import all_reduce_gradients, check_distributed, idle_walks
 from .sft_config import TreeSFTConfig
-from .sft_rows import Sample, batch_samples, num_input_tokens, trained_tokens
+from .sft_samples import Sample, batch_samples, num_input_tokens, trained_tokens
+from .tree_args import PAPER
 
 # the accuracy pass: at this temperature the label's log-prob is > -(log V + 1) iff it is the top-1 token
 # (unless its logit is within ~1e-5 of the top one: a tie up to float rounding)
@@ -95,6 +95,7 @@ class TreeSFTTrainer(SFTTrainer):
 
     _tag_names = ["trl", "sft", "trl-dta", "tree-sft"]
     _name = "TreeSFT"
+    _paper = PAPER
 
     def __init__(self, model, args=None, *rest, **kwargs):
         if args is None:
@@ -192,7 +193,7 @@ class TreeSFTTrainer(SFTTrainer):
             # of every FSDP2 unit are averaged here)
             plain = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
             if plain:
-                distributed.all_reduce_gradients(plain)
+                all_reduce_gradients(plain)
         return torch.zeros((), device=device, requires_grad=True) + walked.loss  # gradients are in .grad
 
     def _walked_in_step(self, model, inputs, num_items_in_batch) -> _MicroBatch:

@@ -2,14 +2,31 @@
 
 :class:`TreeArguments` is a dataclass mixin: a config lists it *before* its TRL parent
 (``class TreePPOConfig(TreeArguments, GRPOConfig)``) so that TRL's fields keep their order (``output_dir``
-stays the first positional argument) and the ``tree_*`` fields follow them.
+stays the first positional argument) and the ``tree_*`` fields follow them. :data:`PAPER` is the method's
+paper, which both trainers name as their ``_paper`` (TRL's model cards cite it).
 """
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 
 from ..walk.budgets import Budgets
+
+_TITLE = "AReaL-DTA: Dynamic Tree Attention for Efficient Reinforcement Learning of Large Language Models"
+PAPER = {
+    "title": _TITLE,
+    "id": "2602.00482",
+    "citation": textwrap.dedent(f"""\
+        @article{{zhang2026arealdta,
+            title        = {{{{{_TITLE}}}}},
+            author       = {{Jiarui Zhang and Yuchen Yang and Ran Yan and Zhiyu Mei and Liyuan Zhang
+                            and Daifeng Li and Wei Fu and Jiaxuan Gao and Shusheng Xu and Yi Wu
+                            and Binhang Yuan}},
+            year         = 2026,
+            eprint       = {{arXiv:2602.00482}},
+        }}"""),
+}
 
 
 @dataclass

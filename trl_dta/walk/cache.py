@@ -26,11 +26,15 @@ from torch import nn
 from transformers import DynamicCache
 from transformers.cache_utils import (
     Cache,
-    DummyLayer,
     DynamicLayer,
     LinearAttentionCacheLayerMixin,
     get_layer_types_and_kwargs,
 )
+
+try:
+    from transformers.cache_utils import DummyLayer
+except ImportError:  # transformers < 5.23: no layer type "dummy", so no cache kind "none" (cache_kinds)
+    DummyLayer = None
 
 from .errors import UnsupportedModelError
 from .path_kv import PathKV
@@ -47,6 +51,15 @@ LayerCache = dict[str, torch.Tensor]
 KV = ("k", "v")
 
 _CACHE_KINDS = {"conv": "state", "linear_attention": "state", "hybrid": "hybrid", "hybrid_sliding": "hybrid"}
+
+
+# transformers' state API (get_conv_state, get_recurrent_state, ...), through which the walk hands a segment's
+# conv / recurrent states to the next: new in transformers 5.21. Before it, models that read a carried state
+# (Qwen3.5's Gated DeltaNet, Mamba2) read the cache's layers, which the walk does not fill: the construction
+# probe refuses them, naming this version (:mod:`trl_dta.walk.probe`); models that only write states through
+# ``update_conv_state`` (LFM2) walk exactly there too.
+STATE_API_VERSION = "5.21"
+HAS_STATE_API = hasattr(Cache, "get_recurrent_state")
 
 
 def cache_kinds(config) -> list[str]:

@@ -27,9 +27,10 @@ import contextlib
 import logging
 
 import torch
+import transformers
 
 from ..compare import relative_error
-from .cache import expand_states, states_of
+from .cache import HAS_STATE_API, STATE_API_VERSION, expand_states, states_of
 from .determinism import check_deterministic
 from .errors import MEMORY_ERRORS, UnsupportedModelError
 from .inputs import PackedRow
@@ -158,6 +159,13 @@ def _check_segments(p: _Probe, dense_prefix, dense_leaves):
             if lm.has_states
             else f"the model ignores the passed cache (keyword {lm.cache_keyword!r})"
         )
+        if lm.has_states and not HAS_STATE_API:
+            raise UnsupportedModelError(
+                f"{p.name}: upgrade transformers to >= {STATE_API_VERSION} to walk it. Its states carried on "
+                f"a cached prefix differ from the dense forward by {err:.2e} {p.where}: transformers "
+                f"{transformers.__version__} has no cache state API (new in {STATE_API_VERSION}), and the "
+                "model reads its states where the walk does not put them."
+            )
         raise UnsupportedModelError(
             f"{p.name}: a forward on a cached prefix differs from the model's dense forward by {err:.2e} "
             f"{p.where}: {cause}, or computes something that depends on how the sequence is cut into calls; "

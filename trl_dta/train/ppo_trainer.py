@@ -6,8 +6,8 @@ saving. What changes:
 
 * ``compute_loss``: at the first micro-batch of each optimizer step, the rows of *all* the step's
   micro-batches (TRL's buffered, shuffled micro-batches) go into one prefix trie, walked once by
-  :meth:`TreeExecutor.backward` (:mod:`trl_dta.train.step`); each row's loss is
-  :class:`~trl_dta.train.losses.RowLoss` with the constants of the micro-batch TRL put it in, so the
+  :meth:`TreeExecutor.backward` (:mod:`trl_dta.train.ppo_step`); each row's loss is
+  :class:`~trl_dta.train.ppo_losses.RowLoss` with the constants of the micro-batch TRL put it in, so the
   accumulated gradient is exactly TRL's, for every loss type. The gradients land in ``.grad`` during the
   walk. Each micro-batch's ``compute_loss`` then runs TRL's ``_compute_loss`` on that micro-batch's
   (detached) walk values, passed in place of the model: it logs TRL's metrics, advances TRL's
@@ -19,7 +19,7 @@ saving. What changes:
 * The LM head runs only on completion positions (``score_from``), as TRL's ``logits_to_keep`` does.
 * :meth:`TreePPOTrainer.dense_loss` is stock TRL's dense loss of a micro-batch, for checking the walk
   (``tree_check_gradients``).
-* Multi-process (:mod:`trl_dta.train.parallel`): under DDP the walk runs on the unwrapped module and the
+* Multi-process (:mod:`trl_dta.train.multi_process`): under DDP the walk runs on the unwrapped module and the
   trainer averages the gradients once per step; under FSDP2 the walk gathers the parameters once and FSDP2
   reduce-scatters once per walk (:mod:`trl_dta.walk.sharding`); under DeepSpeed ZeRO-2/3 the walk gathers
   once (ZeRO-3) and DeepSpeed reduces once per optimizer step (:mod:`trl_dta.walk.deepspeed`). FSDP1 is
@@ -40,16 +40,18 @@ from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
 from ..trie import PrefixTrie
+from ..vllm import VLLMMixin
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
-from . import distributed
-from .config import TreePPOConfig
+from . import ppo_repartition
 from .gradient_check import GradientCheck
 from .load_balancing import step_router_grad
-from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
-from .parallel import StepFlow, check_distributed, idle_walks
-from .rows import concat_batches, take_rows
-from .step import StepLosses, Walked, build_trie, scatter
+from .multi_process import StepFlow, check_distributed, idle_walks
+from .ppo_config import TreePPOConfig
+from .ppo_losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
+from .ppo_rows import concat_batches, take_rows
+from .ppo_step import StepLosses, Walked, build_trie, scatter
+from .tree_args import PAPER
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatia
                "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
 
 
-class TreePPOTrainer(GRPOTrainer):
+class TreePPOTrainer(VLLMMixin, GRPOTrainer):
     """A drop-in replacement for ``trl.GRPOTrainer`` (same arguments) that trains on one prefix trie of each
     optimizer step's rollouts: shared prefixes are forwarded and backpropagated once, with exactly the
     dense gradients.
@@ -77,6 +79,7 @@ class TreePPOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "trl-dta", "tree-ppo"]
     _name = "TreePPO"
+    _paper = PAPER
 
     def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
         if args is None:
@@ -152,14 +155,16 @@ class TreePPOTrainer(GRPOTrainer):
         self._flow.register(model)  # (DeepSpeed: the walk finds the engines)
         model = self.accelerator.unwrap_model(model)
         if id(model) not in self._executors:
-            self._executors[id(model)] = TreeExecutor(model, **self._tree_options)
+            executor = TreeExecutor(model, **self._tree_options)
+            executor.budgets.reserve(self.vllm_reserved_bytes())  # (a colocated vLLM engine's share)
+            self._executors[id(model)] = executor
         return self._executors[id(model)]
 
     # ------------------------------------------------------------------ multi-process: re-partition
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
         if self._repartition and self.model.training:
-            output, info = distributed.repartition(output, multiple=self.args.steps_per_generation)
+            output, info = ppo_repartition.repartition(output, multiple=self.args.steps_per_generation)
             self._metrics["train"]["tree/rank_rows"].append(info["rows"])
             self._metrics["train"]["tree/rank_padding_rows"].append(info["padded_rows"])
         return output
@@ -179,7 +184,7 @@ class TreePPOTrainer(GRPOTrainer):
     def _lexicographic(self, micro_batches: list[dict]) -> list[dict]:
         """TRL's shuffled micro-batches of a generation batch, re-cut in lexicographic order of the rows."""
         merged = concat_batches(micro_batches)
-        seqs = distributed.partition_sequences(merged)
+        seqs = ppo_repartition.partition_sequences(merged)
         order = sorted(range(len(seqs)), key=seqs.__getitem__)
         return split_tensor_dict(take_rows(merged, order), len(micro_batches))
 
@@ -374,7 +379,7 @@ class TreePPOTrainer(GRPOTrainer):
         padded = self._repartition and self.model.training and rows != configured
         if padded and self.loss_type in ROW_NORMALISED:
             # zero-weight padding rows: TRL divides by the padded row count, the walk by the configured one
-            # (which keeps stock TRL's global objective, see distributed.py)
+            # (which keeps stock TRL's global objective, see ppo_repartition.py)
             expected = walked.policy * configured / rows + walked.aux_term
         if abs(float(loss) - expected) > 1e-4 * walked.magnitude + 1e-7:  # fp32 rounding of a sum of terms
             raise RuntimeError(

@@ -1,12 +1,12 @@
 """One walk of a trainer step: the rows of several TRL micro-batches in one prefix trie, each row's loss
 that of its own micro-batch, and each micro-batch's share of the results in TRL's (B, T) shapes.
 
-:func:`build_trie` puts the rows in a trie and records, per trie sequence, its :class:`Owner` (micro-batch,
-row, prompt length). :class:`StepLosses` is the walk's ``loss_fn``: it computes a row's loss with its
-micro-batch's :class:`~trl_dta.train.losses.RowLoss` and collects the detached log-probs, entropies and loss
-sums per micro-batch, which :meth:`StepLosses.results` hands back as one :class:`Walked` each. It keeps each
-value by sequence, so a walk run again after running out of memory (:mod:`trl_dta.walk.recovery`) overwrites
-what the failed walk collected instead of adding to it.
+:func:`build_trie` puts the rows in a trie and records, per trie sequence, its :class:`Owner`
+(micro-batch, row, prompt length). :class:`StepLosses` is the walk's ``loss_fn``: it computes a row's loss
+with its micro-batch's :class:`~trl_dta.train.ppo_losses.RowLoss` and collects the detached log-probs,
+entropies and loss sums per micro-batch, which :meth:`StepLosses.results` hands back as one
+:class:`Walked` each. It keeps each value by sequence, so a walk run again after running out of memory
+(:mod:`trl_dta.walk.recovery`) overwrites what the failed walk collected instead of adding to it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from ..trie import PrefixTrie
-from .rows import batch_rows
+from .ppo_rows import batch_rows
 
 
 class Owner(NamedTuple):

@@ -15,19 +15,18 @@ size instead of the padded count (see ``RowLoss``), so the global objective is u
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from ..partition import lexicographic_partition
-from .rows import BATCH_WIDE, PER_TOKEN, PROMPT, batch_rows, concat_batches, take_rows
+from .ppo_rows import BATCH_WIDE, PER_TOKEN, PROMPT, batch_rows, concat_batches, take_rows
 
 PER_ROW = ("advantages",)
 SUPPORTED = {*PROMPT, *PER_TOKEN, *PER_ROW, *BATCH_WIDE}
 
 
 def partition_sequences(batch: dict) -> list[list[int]]:
-    """Each row's tokens for partitioning (:func:`trl_dta.train.rows.batch_rows`; a row without a completion
-    is its prompt, so it stays next to its group)."""
+    """Each row's tokens for partitioning (:func:`trl_dta.train.ppo_rows.batch_rows`; a row without a
+    completion is its prompt, so it stays next to its group)."""
     return [row.tokens for row in batch_rows(batch)]
 
 
@@ -61,20 +60,3 @@ def repartition(batch: dict, multiple: int = 1) -> tuple[dict, dict]:
     mine = {k: v.to(device) for k, v in _rows(merged, parts[rank], count).items()}
     info = {"rows": float(len(parts[rank])), "padded_rows": float(count - len(parts[rank]))}
     return mine, info
-
-
-def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
-    """Average ``.grad`` over ranks (what DDP does), once per optimizer step: one flat all-reduce per
-    dtype/device. A parameter without a gradient on this rank contributes zeros."""
-    world = dist.get_world_size()
-    groups: dict[tuple, list[torch.nn.Parameter]] = {}
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p)
-    for group in groups.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in group])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        flat.div_(world)
-        for p, chunk in zip(group, flat.split([p.numel() for p in group]), strict=True):
-            p.grad.copy_(chunk.view_as(p.grad))

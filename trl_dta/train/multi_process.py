@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+import torch.distributed as dist
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
 from ..trie import PrefixTrie
 from ..walk import deepspeed as zero
 from ..walk.sharding import fsdp_units
-from . import distributed
 
 
 def check_distributed(accelerator, per_layer: bool = False) -> None:
@@ -141,7 +142,7 @@ class StepFlow:
             return
         plain = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
         if plain:
-            distributed.all_reduce_gradients(plain)
+            all_reduce_gradients(plain)
 
     def backward(self, loss, **kwargs) -> None:
         """DeepSpeed's part of the Trainer's ``accelerator.backward(loss)``: the walk has put the gradients in
@@ -174,3 +175,20 @@ def idle_walks(executor, no_grad_passes: int, training: bool) -> None:
         executor.backward(idle, lambda i, logps, entropies: logps.sum() * 0.0)
     else:
         executor.logprobs(idle)
+
+
+def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Average ``.grad`` over ranks (what DDP does), once per optimizer step: one flat all-reduce per
+    dtype/device. A parameter without a gradient on this rank contributes zeros."""
+    world = dist.get_world_size()
+    groups: dict[tuple, list[torch.nn.Parameter]] = {}
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        groups.setdefault((p.grad.dtype, p.grad.device), []).append(p)
+    for group in groups.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat.div_(world)
+        for p, chunk in zip(group, flat.split([p.numel() for p in group]), strict=True):
+            p.grad.copy_(chunk.view_as(p.grad))
