@@ -5,7 +5,7 @@ One forward + backward call of the walk costs about::
     seconds = fixed + per_token x tokens + per_pair x attention pairs computed
 
 * ``fixed``: per decoder layer, the host's cost of a call whatever its size (kernel launches on a GPU,
-  Python and dispatch on a CPU): :data:`~trl_dta.walk.budgets.DEVICE_COSTS`;
+  Python and dispatch on a CPU): :data:`DEVICE_COSTS`;
 * ``per_token``: the decoder's matmuls, ``6 x`` the parameters a token runs through (forward + backward),
   at the device's FLOP rate (the LM head scores the same positions however calls are cut: left out);
 * ``per_pair``: attention, ``12 x`` the query width per query-key pair and layer. A packed row with a dense
@@ -31,7 +31,39 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..trie import TrieNode
-from .budgets import device_costs
+
+
+@dataclass(frozen=True)
+class DeviceCosts:
+    """What a model call costs on a device kind (:class:`CallCost` turns it into seconds per call for a given
+    model): a fixed host cost per decoder layer and call (kernel launches on a GPU, Python and
+    dispatch on a CPU), the rate at which it runs FLOPs, the call size past which larger calls no longer
+    pay, and whether the host's cost overlaps the device's compute (a GPU runs the kernels the host queued
+    while the host launches the next ones; a CPU computes on the host's own threads)."""
+
+    layer_call_s: float  # seconds per decoder layer per forward + backward call, whatever its size
+    flop_rate: float  # FLOP/s of the decoder's matmuls and attention
+    max_call_tokens: int
+    overlap: bool = False
+
+
+# Per device kind. CUDA: benchmarks/launch_model.py's assumptions (a 28-layer forward + backward launches
+# ~5.1k kernels, ~182 per layer, at 5 µs each; FLOPs at 40% of an H200's 989 TFLOP/s bf16 peak) until a GPU
+# measures them (benchmarks/gpu.sh). CPU: fitted on the project's 2-core machine by
+# benchmarks/call_costs.py (docs/benchmarks.md, "Call sizes").
+DEVICE_COSTS = {
+    "cuda": DeviceCosts(
+        layer_call_s=182 * 5e-6, flop_rate=0.4 * 989e12, max_call_tokens=1 << 16, overlap=True
+    ),
+    # fitted 2026-12-01 (SmolLM2-wide 8-layer Llama, fp32, 2 threads): 1.8 ms per layer-call, 1.6e11 FLOP/s
+    "cpu": DeviceCosts(layer_call_s=1.8e-3, flop_rate=1.6e11, max_call_tokens=2048),
+}
+
+
+def device_costs(device_type: str) -> DeviceCosts:
+    """The constants of ``device_type``; an unknown accelerator gets CUDA's."""
+    return DEVICE_COSTS.get(device_type, DEVICE_COSTS["cuda"])
+
 
 TILE = 128  # flex attention's default block size: a block-sparse row computes up to a tile past what it needs
 
