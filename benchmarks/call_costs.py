@@ -1,4 +1,4 @@
-"""Measure a device's call-cost constants for the walk's cost model (``trl_dta.walk.budgets.DEVICE_COSTS``).
+"""Measure a device's call-cost constants for the walk's cost model (``trl_dta.walk.costs.DEVICE_COSTS``).
 
 The plan merges calls by ``seconds = fixed + per_token x tokens + per_pair x pairs`` (``trl_dta.walk.costs``),
 with ``fixed = layer_call_s x layers`` and the per-token and per-pair terms the FLOPs over ``flop_rate``.
@@ -22,8 +22,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_dta import PrefixTrie, TreeExecutor
-from trl_dta.walk.budgets import device_costs
-from trl_dta.walk.costs import CallCost
+from trl_dta.walk.costs import CallCost, device_costs
 
 
 def timed_call(executor, past: int, tokens: int, repeats: int, device) -> float:

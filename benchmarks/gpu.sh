@@ -24,11 +24,16 @@
 #      budgets, calls, walk vs dense, CUDA peak, recompute, host syncs per walk); ~2 min;
 #   5. the GPU plan on paper: `launch_model.py` (kernels and FLOPs per step, walk vs dense, for Qwen3-1.7B on
 #      the tau2-2x8-10k shape: the predicted speedup the benchmark's tau2 row then checks); ~2 min on CPU;
+#   5b. memory next to a colocated vLLM engine (issue 33): `vllm_memory.py`, the CUDA peaks of the walk (block and
+#      calls 2048) and of dense + gradient checkpointing (TRL's micro-batches of 8, a chunked LM head) on the
+#      Qwen3-1.7B tau2-2x8-10k step, fp32 weights, bf16 autocast, beside its model on paper (docs/vllm.md: the KV
+#      cache the difference leaves vLLM); ~1-2 min; not fatal. vLLM itself is not on that machine (its CUDA wheel
+#      is far over what a call carries), so the colocated engine's sleep/wake is not run there;
 #   6. benchmark: `peers.py --profile gpu` (Qwen3-0.6B then 1.7B shapes, random weights, bf16, sdpa and
 #      flash-attn if installed, 4k-16k contexts, torch.cuda.max_memory_allocated), tables in OUT_DIR.
 # Outputs (OUT_DIR): env.txt, parity.json, parity.log, fsdp2_smoke*.json, fsdp2_smoke.log, flex_parity.json,
 # device_walk.json, device_walk.log, launch_model.json,
-# launch_model.log, peers_gpu.json,
+# launch_model.log, vllm_memory_paper.json, vllm_memory.json, vllm_memory.log, peers_gpu.json,
 # peers_gpu.md, peers_gpu.log and the plots peers_gpu_speedup.png, peers_gpu_memory.png.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -69,7 +74,7 @@ for f in "$PEERS" benchmarks/common.py benchmarks/peer_bench/__init__.py; do
     test -f "$f" || { echo "missing $f"; exit 1; }
 done
 "$PY" -m py_compile "$PEERS" benchmarks/common.py benchmarks/peer_bench/*.py benchmarks/fsdp2_smoke.py \
-    benchmarks/launch_model.py benchmarks/device_walk.py
+    benchmarks/launch_model.py benchmarks/device_walk.py benchmarks/vllm_memory.py
 bash -n "${BASH_SOURCE[0]}"
 "$PY" - <<'PY' | tee "$OUT_DIR/env.txt"
 import sys, time
@@ -113,6 +118,10 @@ if [ $DRY = 1 ]; then
     echo "== device-sized walk on CPU (smoke: 1 layer, lengths x 1/32, sdpa only)"
     "$PY" benchmarks/device_walk.py --device cpu --layers 1 --scale 0.03125 --repeats 1 --out "$OUT_DIR" 2>&1 \
         | tee "$OUT_DIR/device_walk.log" | grep -v -i warn | tail -n 2
+    echo "== vLLM memory: on paper, then the measuring code on CPU (1 layer, lengths x 1/50; no peaks on CPU)"
+    "$PY" benchmarks/vllm_memory.py --paper --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/vllm_memory.log" | tail -n 8
+    "$PY" benchmarks/vllm_memory.py --device cpu --layers 1 --scale 0.02 --out "$OUT_DIR" 2>&1 \
+        | tee -a "$OUT_DIR/vllm_memory.log" | grep -v -i warn | tail -n 2
     echo "== smallest configuration on CPU (tiny model, the GPU profile's first shape x 1/32, bf16, 1 repeat)"
     "$PY" "$PEERS" --profile gpu --device cpu --models tiny --attn sdpa --dtype bfloat16 --scale 0.03125 \
         --shapes grpo-4k-g16 --no_sweep --repeats 1 --threads 1 --out "$OUT_DIR" 2>&1 \
@@ -160,6 +169,14 @@ timeout 150 "$PY" benchmarks/soak.py --mode executor --device cuda --steps 200 -
 echo "== launch model (kernels and FLOPs per step, Qwen3-1.7B, tau2-2x8-10k)"
 timeout 300 "$PY" benchmarks/launch_model.py --scales 0.125 --out "$OUT_DIR" 2>&1 \
     | tee "$OUT_DIR/launch_model.log" | grep -v -i warn | tail -n 6 || echo "launch model: failed (not fatal)"
+
+# ---- 5b. memory next to a colocated vLLM engine (issue 33): walk vs dense + checkpointing CUDA peaks on the
+# Qwen3-1.7B tau2 step, beside the model on paper (the KV cache the difference leaves vLLM: docs/vllm.md)
+echo "== vLLM memory: walk vs dense + gradient checkpointing, cuda"
+"$PY" benchmarks/vllm_memory.py --paper --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/vllm_memory.log" | tail -n 8 \
+    || echo "vllm memory on paper: failed (not fatal)"
+timeout 240 "$PY" benchmarks/vllm_memory.py --device cuda --scale 1 --out "$OUT_DIR" 2>&1 \
+    | tee -a "$OUT_DIR/vllm_memory.log" | grep -v -i warn | tail -n 3 || echo "vllm memory: failed (not fatal)"
 
 # ---- 6. the peer benchmark (bf16)
 echo "== peer benchmark, bf16, cuda ($ATTN), budget ${BENCH_BUDGET}s"

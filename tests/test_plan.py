@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_dta.trie import PrefixTrie
-from trl_dta.walk.plan import PackedSubtree, Pop, Push, SiblingLeaves, build_plan
+from trl_dta.walk.costs import CallCost
+from trl_dta.walk.plan import LAUNCH_PRICES, PackedSubtree, Pop, Push, SiblingLeaves, build_plan, plan_seconds
 from trl_dta.walk.scoring import path_scores, score_rows
 
 _seq = st.lists(st.integers(0, 2), min_size=2, max_size=30)
@@ -103,6 +104,46 @@ def test_tau2_like_plan():
     # the whole trie in one step
     whole = build_plan(trie, 1000, 1000, packed=True, subtree_tokens=1000)
     assert len(whole) == 1 and sum(s.num_tokens for s in whole[0].segments) == trie.num_unique_tokens
+
+
+def _leaf_steps(plan):
+    return [len(step.segments) for step in plan if isinstance(step, SiblingLeaves)]
+
+
+def test_where_launches_overlap_compute_a_compute_bound_walk_merges_less():
+    """Two leaves under a long prefix, a dense mask: merging them saves a launch (0.3 s) for 0.2 s of
+    attention pairs the tree does not need. Summed, merging pays; where launches overlap compute (a GPU) and
+    the walk is compute-bound, the launch was hidden anyway: the leaves stay apart. Launch-bound, they merge
+    either way."""
+    trie = PrefixTrie.from_sequences([[1] * 1000 + [2] * 100, [1] * 1000 + [3] * 100])
+    summed = CallCost(fixed=0.3, per_token=1e-3, per_pair=1e-5)
+    overlapping = CallCost(fixed=0.3, per_token=1e-3, per_pair=1e-5, overlap=True)
+    plan = lambda costs: build_plan(trie, 10_000, 10_000, packed=True, costs=costs)  # noqa: E731
+    assert _leaf_steps(plan(summed)) == [2]
+    assert _leaf_steps(plan(overlapping)) == [1, 1]
+    assert plan_seconds(plan(overlapping), overlapping, True) < plan_seconds(plan(summed), overlapping, True)
+    launch_bound = CallCost(fixed=100.0, per_token=1e-3, per_pair=1e-5, overlap=True)
+    assert _leaf_steps(plan(launch_bound)) == [2]
+
+
+@settings(max_examples=100, deadline=None)
+@given(seqs=st.lists(_seq, min_size=1, max_size=12), fixed=st.sampled_from([1e-3, 1.0, 30.0]),
+       sparse=st.booleans(), budget=st.sampled_from([4, 12, 1000]))  # fmt: skip
+def test_overlapping_costs_never_pick_a_slower_plan(seqs, fixed, sparse, budget):
+    """By its own cost model, the plan kept is never slower than the summed price's (the plan CUDA built
+    before) nor than either extreme price's (its search is a bisection between them), and covers every node
+    once."""
+    trie = PrefixTrie.from_sequences(seqs)
+    costs = CallCost(fixed=fixed, per_token=0.01, per_pair=0.003, block_sparse=sparse, overlap=True)
+    plan = build_plan(trie, 8, budget, packed=True, subtree_tokens=budget, costs=costs)
+    summed = CallCost(fixed, 0.01, 0.003, sparse)  # (merge decisions at each price: no search)
+    each = {p: build_plan(trie, 8, budget, True, budget, summed.priced(p)) for p in LAUNCH_PRICES}
+    seconds = plan_seconds(plan, costs, True)
+    for price in (1.0, LAUNCH_PRICES[0], LAUNCH_PRICES[-1]):
+        assert seconds <= plan_seconds(each[price], costs, True) * (1 + 1e-12)
+    assert plan in each.values()
+    for node, pieces in covered(plan).items():
+        assert sorted(pieces)[0][0] == node.start and sorted(pieces)[-1][1] == node.end
 
 
 def test_negative_subtree_tokens_rejected():

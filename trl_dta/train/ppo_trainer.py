@@ -38,6 +38,7 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
+from ..vllm import VLLMMixin
 from . import ppo_repartition
 from .ppo_config import TreePPOConfig
 from .ppo_losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
@@ -52,7 +53,7 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatia
                "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
 
 
-class TreePPOTrainer(GRPOTrainer):
+class TreePPOTrainer(VLLMMixin, GRPOTrainer):
     """A drop-in replacement for ``trl.GRPOTrainer`` (same arguments) that trains on one prefix trie of each
     optimizer step's rollouts: shared prefixes are forwarded and backpropagated once, with exactly the
     dense gradients.
@@ -82,6 +83,7 @@ class TreePPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         a = self.args
         self._walker = StepWalker(a, self.accelerator, self.model)
+        self._walker.reserve(self.vllm_reserved_bytes())  # (a colocated vLLM engine's share, VLLMMixin)
         self._tree_pending: dict[int, Walked] = {}  # walked micro-batches of this step, by buffer index
         self._tree_position = 0  # micro-batches of the current optimizer step served so far
         self._tree_lexicographic = getattr(a, "tree_lexicographic_steps", False)

@@ -12,7 +12,8 @@ of tokens times a number of bytes per token, which depends only on the model's s
    room for a call of at least ``MIN_CALL_TOKENS`` tokens; otherwise the memory is split 2:1 between the
    stack and the call (the paper's "larger backward block": the recompute falls as the block grows);
 2. the largest calls that fit in the rest, capped where larger calls no longer pay on the device kind
-   (:data:`DEVICE_COSTS`; the plan then decides, call by call, whether merging pays: :mod:`.costs`).
+   (:data:`~trl_dta.walk.costs.DEVICE_COSTS`; the plan then decides, call by call, whether merging pays:
+   :mod:`.costs`).
 
 Memory model, per optimizer step's walk (bytes)::
 
@@ -40,6 +41,7 @@ from typing import NamedTuple
 import torch
 
 from .checks import check_count
+from .costs import device_costs
 from .errors import ArgumentTypeError
 
 logger = logging.getLogger(__name__)
@@ -76,34 +78,6 @@ class ActivationBytes:
     scored: float  # LM head: what autograd saves per scored token (log-softmax, entropy)
     transient: float  # LM head: logits and their gradients alive while a call scores a row
     position: float  # the path's K/V and their float32 gradients, per cache position
-
-
-@dataclass(frozen=True)
-class DeviceCosts:
-    """What a model call costs on a device kind (:mod:`trl_dta.walk.costs` turns it into seconds per call for
-    a given model): a fixed host cost per decoder layer and call (kernel launches on a GPU, Python and
-    dispatch on a CPU), the rate at which it runs FLOPs, and the call size past which larger calls no longer
-    pay."""
-
-    layer_call_s: float  # seconds per decoder layer per forward + backward call, whatever its size
-    flop_rate: float  # FLOP/s of the decoder's matmuls and attention
-    max_call_tokens: int
-
-
-# Per device kind. CUDA: benchmarks/launch_model.py's assumptions (a 28-layer forward + backward launches
-# ~5.1k kernels, ~182 per layer, at 5 µs each; FLOPs at 40% of an H200's 989 TFLOP/s bf16 peak) until a GPU
-# measures them (benchmarks/gpu.sh). CPU: fitted on the project's 2-core machine by
-# benchmarks/call_costs.py (docs/benchmarks.md, "Call sizes").
-DEVICE_COSTS = {
-    "cuda": DeviceCosts(layer_call_s=182 * 5e-6, flop_rate=0.4 * 989e12, max_call_tokens=1 << 16),
-    # fitted 2026-12-01 (SmolLM2-wide 8-layer Llama, fp32, 2 threads): 1.8 ms per layer-call, 1.6e11 FLOP/s
-    "cpu": DeviceCosts(layer_call_s=1.8e-3, flop_rate=1.6e11, max_call_tokens=2048),
-}
-
-
-def device_costs(device_type: str) -> DeviceCosts:
-    """The constants of ``device_type``; an unknown accelerator gets CUDA's."""
-    return DEVICE_COSTS.get(device_type, DEVICE_COSTS["cuda"])
 
 
 def _width(config, name: str, default: int) -> int:
@@ -317,18 +291,6 @@ class Budgets:
 
     # ------------------------------------------------------------------ the options
     @property
-    def block_size(self) -> int | None:
-        return self._given[0]
-
-    @property
-    def batch_tokens(self) -> int | None:
-        return self._given[1]
-
-    @property
-    def subtree_tokens(self) -> int | None:
-        return self._given[2]
-
-    @property
     def given(self) -> tuple[int | None, int | None, int | None]:
         """The budgets given by hand, ``(block_size, batch_tokens, subtree_tokens)``; None: derived."""
         return self._given
@@ -379,7 +341,7 @@ class Budgets:
         block, batch, subtree = self._given
         block = derived.block_size if block is None else block
         if batch is None:  # a block given by hand: the leaf batch follows it, as before memory budgets
-            batch = block if self.block_size is not None and memory is None else derived.batch_tokens
+            batch = block if self._given[0] is not None and memory is None else derived.batch_tokens
         return TokenBudgets(block, batch, derived.subtree_tokens if subtree is None else subtree)
 
     def use(self, budgets: TokenBudgets, name: str = "") -> None:
@@ -427,11 +389,3 @@ class Budgets:
         """The budgets in use, by name (``block_size``, ``batch_tokens``, ``subtree_tokens``): the trainers
         log them as ``tree/<name>``. Empty before the first walk."""
         return {} if self.in_use is None else {k: float(v) for k, v in vars(self.in_use).items()}
-
-    def __repr__(self) -> str:
-        names = ("block_size", "batch_tokens", "subtree_tokens")
-        given = ", ".join(f"{k}={v}" for k, v in zip(names, self._given, strict=True))
-        return (
-            f"Budgets(memory_budget={self.memory_budget!r}, {given}, reserved_bytes={self.reserved_bytes}; "
-            f"in use: {self.in_use}, halvings: {self.halvings})"
-        )

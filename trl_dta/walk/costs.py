@@ -5,7 +5,7 @@ One forward + backward call of the walk costs about::
     seconds = fixed + per_token x tokens + per_pair x attention pairs computed
 
 * ``fixed``: per decoder layer, the host's cost of a call whatever its size (kernel launches on a GPU,
-  Python and dispatch on a CPU): :data:`~trl_dta.walk.budgets.DEVICE_COSTS`;
+  Python and dispatch on a CPU): :data:`DEVICE_COSTS`;
 * ``per_token``: the decoder's matmuls, ``6 x`` the parameters a token runs through (forward + backward),
   at the device's FLOP rate (the LM head scores the same positions however calls are cut: left out);
 * ``per_pair``: attention, ``12 x`` the query width per query-key pair and layer. A packed row with a dense
@@ -15,14 +15,55 @@ One forward + backward call of the walk costs about::
 
 Merging two calls saves one ``fixed`` and, with a dense mask, costs the pairs between them that the mask
 hides. A GPU's launches are expensive next to its FLOPs: it merges far more than a CPU does.
+
+On a CPU the host computes: a walk costs the sum of its calls' costs (what ``benchmarks/call_costs.py``
+fitted, and the plan measured fastest there). On a GPU the host launches the next kernels while the device
+computes the ones queued before (the walk has no host sync inside: :mod:`trl_dta.walk.inputs`), so a walk
+takes about the larger of its summed ``fixed`` and its summed compute (``overlap``, :meth:`CallCost.walk`):
+once the compute hides the launches, merging more only adds the masked pairs. The plan therefore weighs
+``fixed`` by a ``launch_price`` in its merge decisions and keeps the fastest walk over several prices
+(:func:`trl_dta.walk.plan.build_plan`); ``benchmarks/launch_model.py`` checks the result on paper
+(docs/benchmarks.md, "The GPU plan on paper").
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..trie import TrieNode
-from .budgets import device_costs
+
+
+@dataclass(frozen=True)
+class DeviceCosts:
+    """What a model call costs on a device kind (:class:`CallCost` turns it into seconds per call for a given
+    model): a fixed host cost per decoder layer and call (kernel launches on a GPU, Python and
+    dispatch on a CPU), the rate at which it runs FLOPs, the call size past which larger calls no longer
+    pay, and whether the host's cost overlaps the device's compute (a GPU runs the kernels the host queued
+    while the host launches the next ones; a CPU computes on the host's own threads)."""
+
+    layer_call_s: float  # seconds per decoder layer per forward + backward call, whatever its size
+    flop_rate: float  # FLOP/s of the decoder's matmuls and attention
+    max_call_tokens: int
+    overlap: bool = False
+
+
+# Per device kind. CUDA: benchmarks/launch_model.py's assumptions (a 28-layer forward + backward launches
+# ~5.1k kernels, ~182 per layer, at 5 µs each; FLOPs at 40% of an H200's 989 TFLOP/s bf16 peak) until a GPU
+# measures them (benchmarks/gpu.sh). CPU: fitted on the project's 2-core machine by
+# benchmarks/call_costs.py (docs/benchmarks.md, "Call sizes").
+DEVICE_COSTS = {
+    "cuda": DeviceCosts(
+        layer_call_s=182 * 5e-6, flop_rate=0.4 * 989e12, max_call_tokens=1 << 16, overlap=True
+    ),
+    # fitted 2026-12-01 (SmolLM2-wide 8-layer Llama, fp32, 2 threads): 1.8 ms per layer-call, 1.6e11 FLOP/s
+    "cpu": DeviceCosts(layer_call_s=1.8e-3, flop_rate=1.6e11, max_call_tokens=2048),
+}
+
+
+def device_costs(device_type: str) -> DeviceCosts:
+    """The constants of ``device_type``; an unknown accelerator gets CUDA's."""
+    return DEVICE_COSTS.get(device_type, DEVICE_COSTS["cuda"])
+
 
 TILE = 128  # flex attention's default block size: a block-sparse row computes up to a tile past what it needs
 
@@ -39,12 +80,19 @@ def needed_pairs(nodes) -> int:
 
 @dataclass(frozen=True)
 class CallCost:
-    """Seconds of one forward + backward call of a given model on a given device kind (module docstring)."""
+    """Seconds of one forward + backward call of a given model on a given device kind (module docstring).
+
+    ``overlap``: the device computes while the host launches (a GPU): a walk then takes about the larger of
+    its calls' summed ``fixed`` and summed compute (:meth:`walk`), not their sum. ``launch_price``: the
+    weight of ``fixed`` against compute in the merge decisions of :meth:`row` and :meth:`padded` (1: their
+    sum; :func:`trl_dta.walk.plan.build_plan` searches it where costs overlap)."""
 
     fixed: float
     per_token: float
     per_pair: float
     block_sparse: bool = False
+    overlap: bool = False
+    launch_price: float = 1.0
 
     @classmethod
     def for_model(cls, config, device_type: str, block_sparse: bool = False) -> CallCost:
@@ -67,18 +115,37 @@ class CallCost:
             per_token=6 * params * layers / device.flop_rate,
             per_pair=12 * q * layers / device.flop_rate,
             block_sparse=block_sparse,
+            overlap=device.overlap,
         )
 
-    def row(self, past: int, tokens: int, needed: int) -> float:
-        """One call forwarding ``tokens`` packed tokens on a past of ``past`` tokens, the tree needing
-        ``needed`` of their query-key pairs."""
+    def priced(self, launch_price: float) -> CallCost:
+        """The same costs, with ``fixed`` weighed by ``launch_price`` in merge decisions."""
+        return replace(self, launch_price=launch_price)
+
+    def row_compute(self, past: int, tokens: int, needed: int) -> float:
+        """The device's seconds for one call forwarding ``tokens`` packed tokens on a past of ``past`` tokens,
+        the tree needing ``needed`` of their query-key pairs."""
         pairs = needed + tokens * TILE if self.block_sparse else tokens * (past + tokens)
-        return self.fixed + self.per_token * tokens + self.per_pair * min(pairs, tokens * (past + tokens))
+        return self.per_token * tokens + self.per_pair * min(pairs, tokens * (past + tokens))
+
+    def padded_compute(self, past: int, rows: int, width: int) -> float:
+        """The device's seconds for one call forwarding ``rows`` right-padded rows of ``width`` tokens."""
+        return rows * (self.per_token * width + self.per_pair * width * (past + width))
+
+    def row(self, past: int, tokens: int, needed: int) -> float:
+        """One packed call, priced for merge decisions: ``launch_price x fixed`` + its compute."""
+        return self.launch_price * self.fixed + self.row_compute(past, tokens, needed)
 
     def padded(self, past: int, rows: int, width: int) -> float:
-        """One call forwarding ``rows`` right-padded rows of ``width`` tokens on a past of ``past`` tokens."""
-        return self.fixed + rows * (self.per_token * width + self.per_pair * width * (past + width))
+        """One call of right-padded rows, priced for merge decisions."""
+        return self.launch_price * self.fixed + self.padded_compute(past, rows, width)
 
     def walked(self, nodes: list[TrieNode]) -> float:
         """The walk of a subtree (``nodes``) node by node: a call per node, each on its own path."""
         return sum(self.row(n.start, n.num_tokens, needed_pairs([n])) for n in nodes)
+
+    def walk(self, calls: float, compute: float) -> float:
+        """Seconds of a walk of ``calls`` forward + backward calls computing for ``compute`` seconds: the
+        larger of the host's and the device's where they overlap, else their sum."""
+        launch = calls * self.fixed
+        return max(launch, compute) if self.overlap else launch + compute

@@ -37,7 +37,10 @@ Rules:
   from a memory budget) the budgets are limits and the model decides: a subtree of at most
   ``min(subtree_tokens, batch_tokens)`` tokens is packed where one call costs less than walking it, and
   consecutive children (leaves and packed subtrees) share one call, a :class:`PackedSubtree` with several
-  roots, while that costs less than separate calls and stays within the budgets.
+  roots, while that costs less than separate calls and stays within the budgets. A call costs its fixed
+  cost plus its compute; where the fixed cost (kernel launches) overlaps compute (a GPU), the walk takes the
+  larger of its summed launches and its summed compute instead, and the plan kept is the fastest of those
+  built at several prices of a launch (:func:`_balanced`).
 * Children are visited in :meth:`PrefixTrie.walk_children` order.
 """
 
@@ -50,6 +53,10 @@ from dataclasses import dataclass, field
 from ..trie import PrefixTrie, TrieNode
 from .checks import check_count
 from .costs import CallCost, needed_pairs
+
+# where a call's fixed cost overlaps compute (a GPU): the launch prices the plan may be built with, highest
+# first (1: the summed cost; 0: merge only where it costs no compute), see _balanced
+LAUNCH_PRICES = (4.0, 2.0, 1.0, *(2.0**-k for k in range(1, 11)), 0.0)
 
 
 @dataclass(frozen=True)
@@ -250,6 +257,40 @@ def build_plan(
     block_size = check_count("block_size", block_size, minimum=1)
     batch_tokens = check_count("batch_tokens", batch_tokens)
     subtree_tokens = check_count("subtree_tokens", subtree_tokens)
+    if costs is None or not costs.overlap:
+        return _build(trie, block_size, batch_tokens, packed, subtree_tokens, costs)
+    return _balanced(lambda price: _build(trie, block_size, batch_tokens, packed, subtree_tokens,
+                                          costs.priced(price)), costs, packed)  # fmt: skip
+
+
+def _balanced(build, costs: CallCost, packed: bool) -> list[Step]:
+    """Where a call's launches overlap compute, a walk takes the larger of its launches and its compute
+    (:meth:`CallCost.walk`), which the summed price of each merge decision does not see: merging a call
+    saves a launch even where launches are hidden behind compute, and a dense mask then computes attention
+    pairs the tree does not need. So the plan is built at launch prices from :data:`LAUNCH_PRICES` (merging
+    less as the price falls: more launches, less compute) and the fastest walk is kept: the summed price's,
+    the two extremes, and a bisection for where launches and compute cross (ties keep the higher price:
+    fewer calls). Compute-bound even at the lowest price: the least compute wins; launch-bound even at the
+    highest: the fewest launches."""
+    seen: dict[int, tuple[float, float, list[Step]]] = {}  # price index -> (launches - compute, walk s, plan)
+
+    def at(k: int):
+        if k not in seen:
+            steps = build(LAUNCH_PRICES[k])
+            calls, compute = _tally(steps, costs, packed)
+            seen[k] = (calls * costs.fixed - compute, costs.walk(calls, compute), steps)
+        return seen[k]
+
+    at(LAUNCH_PRICES.index(1.0))  # (the summed price's plan is a candidate: never slower than it)
+    lo, hi = 0, len(LAUNCH_PRICES) - 1  # the highest price first
+    if at(lo)[0] < 0 <= at(hi)[0]:  # bisect for the last compute-bound price (launches grow as it falls)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if at(mid)[0] < 0 else (lo, mid)
+    return min(sorted(seen.items()), key=lambda item: item[1][1])[1][2]
+
+
+def _build(trie, block_size, batch_tokens, packed, subtree_tokens, costs) -> list[Step]:
     builder = _Builder(trie, block_size, batch_tokens, packed, subtree_tokens, costs)
     visiting = [builder.children(trie.root)]  # the nodes being visited, root first
     while visiting:
@@ -259,3 +300,30 @@ def build_plan(
         else:
             visiting.append(builder.visit(child))
     return builder.steps
+
+
+def plan_seconds(steps: list[Step], costs: CallCost, packed: bool) -> float:
+    """Seconds of a walk of ``steps`` by ``costs`` (:meth:`CallCost.walk`)."""
+    return costs.walk(*_tally(steps, costs, packed))
+
+
+def _tally(steps: list[Step], costs: CallCost, packed: bool) -> tuple[float, float]:
+    """The forward + backward calls of a walk of ``steps`` and their compute seconds: a push and its pop are
+    one call, a push recomputed at pop a third more (its extra forward), a leaves or subtree step one call."""
+    calls, compute = 0.0, 0.0
+    for step in steps:
+        if isinstance(step, Push):
+            s = step.segment
+            share = 1.0 if step.keep_graph else 4 / 3
+            calls += share
+            compute += share * costs.row_compute(s.start, s.num_tokens, needed_pairs([s]))
+        elif isinstance(step, SiblingLeaves | PackedSubtree):
+            segments = step.segments
+            past = segments[0].start
+            if packed and (len(segments) > 1 or isinstance(step, PackedSubtree)):
+                tokens = sum(s.num_tokens for s in segments)
+                compute += costs.row_compute(past, tokens, needed_pairs(segments))
+            else:
+                compute += costs.padded_compute(past, len(segments), max(s.num_tokens for s in segments))
+            calls += 1
+    return calls, compute

@@ -54,7 +54,7 @@ def flat_outputs(caches: list[LayerCache], last_hidden, logps, entropies) -> lis
 
 
 class SegmentOutputs(NamedTuple):
-    """What forwarding one segment gives (:meth:`TreeExecutor._compute_segment`)."""
+    """What forwarding one segment gives (:func:`trl_dta.walk.steps._compute_segment`)."""
 
     caches: list[LayerCache]  # per layer: its K/V [1, kv_heads, L, head_dim] and/or its final states
     last_hidden: torch.Tensor | None  # [1, 1, D]; None for a pending segment
@@ -82,7 +82,7 @@ class Frame:
     lp_from: int  # log-prob index of logps[0]: the segment scores lp indices [lp_from, segment.end - 1)
     kv_from: int  # cache position of its forward's first token (its K/V: [kv_from, segment.end))
     router_term: torch.Tensor | None = None
-    # state models: a one-token segment is not forwarded on its own (see TreeExecutor._compute_segment); its
+    # state models: a one-token segment is not forwarded on its own (see steps._compute_segment); its
     # token ids, forwarded at the head of each child's forward instead. No caches, no last hidden state.
     pending: torch.Tensor | None = None
     routed: bool = False  # MoE: a child's forward has already routed the pending token
