@@ -128,7 +128,7 @@ def run_trainer(args, sampler: Sampler) -> dict:
     trainer = make_trainer(tree_cls, config, num_prompts=16, callbacks=[Sample()])
 
     def trainer_retries():
-        return sum(e.oom_recovery.retried for e in trainer._executors.values() if e.oom_recovery)
+        return sum(e.oom_recovery.retried for e in trainer._walker.executors.values() if e.oom_recovery)
 
     trainer.train()
     history = [h for h in trainer.state.log_history if "tree/unique_tokens" in h]

@@ -57,8 +57,10 @@ def test_gpu_recipe_config_trains_a_step(tmp_path):
     fields = set(TreePPOConfig.__dataclass_fields__)
     training = {k: v for k, v in settings.items() if k in fields}
     assert training["bf16"] and settings["dtype"] == "float32"
+    assert training["use_vllm"] and training["vllm_mode"] == "colocate"  # (tests/test_vllm_colocate.py)
+    # generation is scripted here: vLLM's colocate mode is tests/test_vllm_colocate.py's
     training.update(output_dir=str(tmp_path), use_cpu=True, max_steps=1, save_strategy="no", report_to="none",
-                    max_completion_length=128)  # fmt: skip
+                    max_completion_length=128, use_vllm=False)  # fmt: skip
     recorder = GradRecorder()
     config = TreePPOConfig(**training)
     trainer = make_trainer(

@@ -1,6 +1,8 @@
 """Two-process TreeSFTTrainer (torchrun, gloo, CPU, DDP) against stock SFTTrainer on one process and on two:
 the same optimizer-step gradients (num_items_in_batch counts every rank's tokens) and the same metrics
-(gathered across ranks). And TreeSFTTrainer on an FSDP2-sharded model against stock SFTTrainer unsharded."""
+(gathered across ranks). The same under DeepSpeed ZeRO-2 and ZeRO-3 (prepared by accelerate itself, on gloo
+processes: trl_dta/testing/cpu_distributed.py) against stock SFTTrainer on one process. And TreeSFTTrainer on
+an FSDP2-sharded model against stock SFTTrainer unsharded."""
 
 from __future__ import annotations
 
@@ -18,16 +20,17 @@ WORKER = Path(__file__).with_name("sft_dist_worker.py")
 TOL = 1e-4
 
 
-def run(out, model_dir, trainer, procs):
+def run(out, model_dir, trainer, procs, mode="ddp"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, str(WORKER)]
     if procs > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
                str(WORKER)]  # fmt: skip
-    result = subprocess.run(cmd + [str(out), model_dir, trainer], env=env, capture_output=True, text=True,
-                            timeout=300, cwd=out)  # fmt: skip
+    result = subprocess.run(cmd + [str(out), model_dir, trainer, mode], env=env, capture_output=True,
+                            text=True, timeout=600, cwd=out)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
-    return [torch.load(out / f"{trainer}{rank}.pt") for rank in range(procs)]
+    name = trainer if mode == "ddp" else f"{trainer}-{mode}"
+    return [torch.load(out / f"{name}{rank}.pt", weights_only=False) for rank in range(procs)]
 
 
 @pytest.mark.slow
@@ -42,6 +45,29 @@ def test_two_process_sft_equals_stock(tmp_path, model_dir):
         for got, ref in zip(tree[0]["logs"], stock[0]["logs"], strict=True):
             for key in ("entropy", "mean_token_accuracy", "num_tokens"):
                 assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), (procs, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["zero2", "zero3"])
+def test_two_process_sft_under_deepspeed_equals_stock(tmp_path, model_dir, mode):
+    """SGD, 2 optimizer steps of 2 accumulated micro-batches per rank: the parameter updates equal stock
+    SFTTrainer's on one process with the global batch, the metrics too, and the walk's budgets and retries
+    are logged."""
+    tree = run(tmp_path, model_dir, "tree", 2, mode)
+    stock = run(tmp_path, model_dir, "stock", 1)[0]
+    for rank in range(2):
+        got = tree[rank]
+        assert got["distributed_type"] == "DistributedType.DEEPSPEED" and got["engine"] == "DeepSpeedEngine"
+        assert got["zero3_partitioned"] == (got["parameters"] if mode == "zero3" else 0)
+        assert relative_error(got["initial"], stock["initial"]) == 0.0  # the same start
+        updates = {n: got["final"][n] - got["initial"][n] for n in got["final"]}
+        stock_updates = {n: stock["final"][n] - stock["initial"][n] for n in stock["final"]}
+        assert relative_error(updates, stock_updates, tiny=1e-9) <= TOL, rank
+    assert len(tree[0]["logs"]) == len(stock["logs"]) == 2
+    for got, ref in zip(tree[0]["logs"], stock["logs"], strict=True):
+        for key in ("entropy", "mean_token_accuracy", "num_tokens"):
+            assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
+        assert got["tree/block_size"] > 0 and got["tree/oom_retries"] == 0.0
 
 
 @pytest.mark.slow

@@ -52,6 +52,8 @@ def assert_parity(tmp_path, dataset, model_fn=tiny_model, peft_config=None, tol=
     for ref, got in zip(stock_log, tree_log, strict=True):
         for key in METRICS:
             assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
+        if "aux_loss" in ref:  # MoE models
+            assert got["aux_loss"] == pytest.approx(ref["aux_loss"], rel=1e-5), "aux_loss"
     return trainer, tree_log
 
 
@@ -152,6 +154,63 @@ def test_hybrid_model(tmp_path):
     assert_parity(tmp_path, tool_conversations(4), model_fn=qwen3_5, assistant_only_loss=True)
 
 
+def _qwen3_moe(**overrides):
+    import transformers
+
+    tok = tiny_tokenizer()
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=2048, tie_word_embeddings=False, initializer_range=0.2,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, **overrides,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _gpt_oss(**overrides):
+    import transformers
+
+    tok = tiny_tokenizer()
+    config = transformers.GptOssConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=1024,
+        max_position_embeddings=2048, tie_word_embeddings=False, initializer_range=0.2,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, **overrides,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize(
+    "model_fn,options",
+    [(_qwen3_moe, {}), (_qwen3_moe, dict(padding_free=True)), (_gpt_oss, {})],
+    ids=["qwen3-moe", "qwen3-moe-padding-free", "gpt-oss"],
+)
+def test_moe_router_loss_at_trl_default_coefficient(tmp_path, model_fn, options):
+    """TRL turns the MoE load-balancing loss on from the model's own coefficient (0.001 for both): the walk
+    adds it exactly, each micro-batch's over every token of its rows (prompt and untrained tokens too).
+    (gpt-oss padding-free is not compared: stock's eager attention there attends across the samples of a
+    flattened row, 1.03 away from stock's padded run, which the walk equals to 2e-6.)"""
+    assert model_fn().config.router_aux_loss_coef == 0.001
+    trainer, log = assert_parity(tmp_path, tool_conversations(), model_fn=model_fn, assistant_only_loss=True,
+                                 **options)  # fmt: skip
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.001
+    assert all(h["aux_loss"] > 0 for h in log)  # (compared with stock's in assert_parity)
+
+
+def test_moe_router_loss_is_part_of_the_gradient(tmp_path):
+    """Mutation check for the test above: at a large coefficient the aux term moves the gradient far beyond
+    the parity tolerance (so a walk without it would fail), and the walk still equals stock."""
+    assert_parity(tmp_path / "large", tool_conversations(), model_fn=_qwen3_moe, assistant_only_loss=True,
+                  router_aux_loss_coef=0.5)  # fmt: skip
+    with_aux, _, _ = train(SFTTrainer, tmp_path / "with", tool_conversations(), model=_qwen3_moe(),
+                           assistant_only_loss=True, router_aux_loss_coef=0.5)  # fmt: skip
+    without, _, _ = train(SFTTrainer, tmp_path / "without", tool_conversations(), model=_qwen3_moe(),
+                          assistant_only_loss=True, router_aux_loss_coef=0.0)  # fmt: skip
+    assert relative_error(without[0], with_aux[0]) > 100 * TOL
+
+
 def _greedy_dataset(model, tok) -> Dataset:
     """Token rows half of whose tokens are the model's greedy continuation (label = top-1 token), so that
     mean_token_accuracy is neither 0 nor 1."""
@@ -206,6 +265,51 @@ def test_refuses_compute_loss_func(tmp_path):
     with pytest.raises(ValueError, match="compute_loss_func"):
         TreeSFTTrainer(model=tiny_model(), args=config, train_dataset=tool_conversations(2),
                        processing_class=tiny_tokenizer(), compute_loss_func=lambda *a, **k: 0)  # fmt: skip
+
+
+def test_logs_budgets_retries_and_peak_memory(tmp_path):
+    """The walk's budgets in use, its out-of-memory retries (the retried case: tests/test_oom.py) and its
+    peak memory (on CPU the process's resident set, sampled in the walk), as TreePPOTrainer logs them."""
+    import resource
+
+    budgets = dict(tree_block_size=64, tree_batch_tokens=96, tree_subtree_tokens=0)
+    _, log, _ = train(TreeSFTTrainer, tmp_path, tool_conversations(4), **budgets)
+    high_water = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
+    for h in log:
+        assert (h["tree/block_size"], h["tree/batch_tokens"], h["tree/subtree_tokens"]) == (64, 96, 0)
+        assert h["tree/oom_retries"] == 0.0
+        # torch alone is resident beyond 50 MB; statm's pages and ru_maxrss's count differ slightly
+        assert 50e6 < h["tree/peak_memory"] <= 1.05 * high_water
+
+
+def test_refuses_peft_prompt_learning_at_construction(tmp_path):
+    from peft import PromptTuningConfig
+
+    from trl_dta import UnsupportedModelError
+
+    config = make_sft_config(tmp_path, config_cls=TreeSFTConfig)
+    prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    with pytest.raises(UnsupportedModelError, match="prompt learning"):
+        TreeSFTTrainer(model=tiny_model(), args=config, train_dataset=tool_conversations(2),
+                       processing_class=tiny_tokenizer(), peft_config=prompt_tuning)  # fmt: skip
+
+
+class _Noise(torch.nn.Module):
+    """A layer that draws random numbers in train mode, under no name a setting check would find."""
+
+    def forward(self, x):
+        return x + 0.1 * torch.randn_like(x) if self.training else x
+
+
+def test_randomness_no_setting_names_is_refused_at_construction(tmp_path):
+    """The behavioural determinism check (two forwards of the same input in train mode), as in
+    TreePPOTrainer: a model that draws random numbers is refused before training."""
+    model = tiny_model()
+    model.model.norm = torch.nn.Sequential(model.model.norm, _Noise())
+    config = make_sft_config(tmp_path, config_cls=TreeSFTConfig)
+    with pytest.raises(ValueError, match="not deterministic in train mode"):
+        TreeSFTTrainer(model=model, args=config, train_dataset=tool_conversations(2),
+                       processing_class=tiny_tokenizer())  # fmt: skip
 
 
 def test_refuses_unknown_model_inputs():

@@ -192,6 +192,34 @@ def test_save_and_reload_round_trips(tmp_path, model_dir):
         torch.testing.assert_close(p.detach(), q, rtol=0, atol=0, msg=name)
 
 
+def test_logs_budgets_retries_and_peak_memory(tmp_path, model_dir):
+    """Once per optimizer step: the budgets in use, out-of-memory retries (the retried case:
+    tests/test_oom.py) and the walk's peak memory (on CPU the process's resident set, sampled in the walk)."""
+    import resource
+
+    trainer, _ = train(TreeScripted, TreePPOConfig, model_dir, tmp_path, tree_block_size=64,
+                       tree_batch_tokens=96, tree_subtree_tokens=0, **MOVING)  # fmt: skip
+    high_water = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (Linux: KiB)
+    logs = [h for h in trainer.state.log_history if "tree/time" in h]
+    assert len(logs) == 2
+    for h in logs:
+        assert (h["tree/block_size"], h["tree/batch_tokens"], h["tree/subtree_tokens"]) == (64, 96, 0)
+        assert h["tree/oom_retries"] == 0.0
+        # torch alone is resident beyond 50 MB; statm's pages and ru_maxrss's count differ slightly
+        assert 50e6 < h["tree/peak_memory"] <= 1.05 * high_water
+
+
+def test_refuses_peft_prompt_learning_at_construction(tmp_path, model_dir):
+    from peft import PromptTuningConfig
+
+    from trl_dta import UnsupportedModelError
+
+    config = make_config(tmp_path, config_cls=TreePPOConfig)
+    prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    with pytest.raises(UnsupportedModelError, match="prompt learning"):
+        make_trainer(TreeScripted, config, model=model_dir, peft_config=prompt_tuning)
+
+
 def test_multimodal_batch_is_refused(tmp_path, model_dir):
     """Images in a training batch must not be dropped silently (TRL passes them to the dense forward)."""
     trainer = make_trainer(TreeScripted, make_config(tmp_path, config_cls=TreePPOConfig), model=model_dir)

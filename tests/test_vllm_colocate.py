@@ -11,6 +11,9 @@ SGD, the same seed and config, and writes what the test compares:
 * after every step, the engine's log-probs of a fixed sequence against the trained model's (LoRA: the PEFT
   model, whose adapters TRL merges for the engine): the weights are synced, and they moved.
 
+Cases: full fine-tuning, LoRA, the importance-sampling correction, ``num_iterations`` 2, and multi-turn
+tool rollouts through ``tools=`` and through ``environment_factory``.
+
 Needs vLLM (``make venv-vllm``; ``make test-vllm`` runs this file); skipped where it is not installed.
 """
 
@@ -64,7 +67,40 @@ CASES = {
             "max_completion_length": 192,
         },
     },
+    "environment": {  # the same turns through environment_factory (OrderDesk), which also owns a reward
+        "environment": True,
+        "config": {
+            "vllm_structured_outputs_regex": TOOL_TURN,
+            "max_tool_calling_iterations": 2,
+            "max_completion_length": 192,
+        },
+    },
 }
+
+
+class OrderDesk:
+    """An environment for TRL's ``environment_factory``: one instance per rollout, its public methods are the
+    tools, ``get_reward`` a reward of its own (how many look-ups the rollout made)."""
+
+    def reset(self, **row) -> None:
+        self.lookups = 0
+
+    def get_order_status(self, order_id: str) -> str:
+        """Look up the shipping status of an order.
+
+        Args:
+            order_id: The identifier of the order to look up.
+
+        Returns:
+            A one-line status report.
+        """
+        from trl_dta.testing.grpo import get_order_status
+
+        self.lookups += 1
+        return get_order_status(order_id)
+
+    def get_reward(self) -> float:
+        return 0.5 * self.lookups
 
 
 # ------------------------------------------------------------------------------------------------ the test
@@ -113,7 +149,7 @@ def test_colocate_matches_stock(case, tmp_path):
         key = "sampling/importance_sampling_ratio/mean"
         ratios = [e[key] for e in logs if key in e]
         assert ratios and max(ratios) < 0.95, ratios  # the correction changes the loss
-    if case == "tools":
+    if case in ("tools", "environment"):
         masks = [r["tool_mask"] for r in tree["rollouts"]]
         assert any(bool((m == 0).any()) for m in masks), "no tool result in any rollout"
 
@@ -177,6 +213,7 @@ def _run(case: str, out: Path) -> None:
             callbacks=[grads, check],
             peft_config=lora,
             tools=list(TOOLS) if spec.get("tools") else None,
+            environment_factory=OrderDesk if spec.get("environment") else None,
         )
         trainer.rollouts = []
         check.trainer = trainer

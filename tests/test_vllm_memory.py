@@ -48,11 +48,14 @@ def test_auto_budget_leaves_the_engine_its_share():
 
 
 def test_trainer_executors_reserve_the_engines_share(monkeypatch):
+    """The trainer hands its step walker the engine's share at construction; every executor reserves it."""
     from trl_dta import TreePPOConfig, TreePPOTrainer
     from trl_dta.testing.grpo import ScriptedGenerationMixin, make_config, make_trainer
 
     trainer_cls = type("Scripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
     trainer = make_trainer(trainer_cls, make_config(config_cls=TreePPOConfig, max_steps=1))
     assert trainer.vllm_reserved_bytes() == 0  # no engine
+    assert trainer._executor(trainer.model).budgets.reserved_bytes == 0
     monkeypatch.setattr(trainer_cls, "vllm_reserved_bytes", lambda self: 7 * GB)
+    trainer = make_trainer(trainer_cls, make_config(config_cls=TreePPOConfig, max_steps=1))
     assert trainer._executor(trainer.model).budgets.reserved_bytes == 7 * GB

@@ -1,9 +1,9 @@
-"""What each multi-process setup needs from :class:`~trl_dta.TreePPOTrainer`: the checks at construction
-(:func:`check_distributed`) and the step flow around the walk (:class:`StepFlow`).
+"""What each multi-process setup needs around the walk (:class:`~trl_dta.train.step.StepWalker` uses it for
+both trainers): the checks at construction (:func:`check_distributed`) and the step flow (:class:`StepFlow`).
 
 * **DDP** (multi-GPU / multi-CPU): the walk runs on the unwrapped module (no DDP hooks, which would reduce per
-  call), and the trainer averages the accumulated gradients once per optimizer step, after the step's last
-  micro-batch.
+  call), and the gradients accumulated over the step are averaged once, after the step's last micro-batch
+  (:func:`all_reduce_gradients`).
 * **FSDP2**: the walk gathers and reduce-scatters by itself (:mod:`trl_dta.walk.sharding`); only parameters
   left out of every FSDP2 unit are averaged here.
 * **DeepSpeed ZeRO-2 / ZeRO-3** (:mod:`trl_dta.walk.deepspeed`): the step's gradient walks run inside one
@@ -28,8 +28,8 @@ import torch.distributed as dist
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-from ..trie import PrefixTrie
 from ..walk import deepspeed as zero
+from ..walk.errors import UnsupportedModelError
 from ..walk.sharding import fsdp_units
 
 
@@ -92,11 +92,22 @@ def _enabled(section: dict) -> bool:
     return value is True or str(value).lower() == "true"  # ("auto" follows TrainingArguments.fp16: refused)
 
 
-class StepFlow:
-    """The trainer's steps around the walk, per multi-process setup (module docstring)."""
+def check_trainable(model) -> None:
+    """Refuse PEFT prompt learning (virtual tokens the walk's sequences do not have) in a model or a PEFT
+    config (None passes)."""
+    config = getattr(model, "active_peft_config", model)
+    if getattr(config, "is_prompt_learning", False):
+        raise UnsupportedModelError(
+            f"PEFT prompt learning ({type(config).__name__}) adds virtual tokens and is not supported by the "
+            "tree walk; use LoRA (or another adapter method)."
+        )
 
-    def __init__(self, accelerator, trainer):
-        self.accelerator, self.trainer = accelerator, trainer
+
+class StepFlow:
+    """A trainer's steps around the walk, per multi-process setup (module docstring)."""
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
         self.multi_process = accelerator.num_processes > 1
         self.deepspeed = accelerator.distributed_type == DistributedType.DEEPSPEED
         self._reduction = None  # DeepSpeed: the step_reduction open across this step's walks
@@ -110,7 +121,8 @@ class StepFlow:
             return
         from deepspeed import DeepSpeedEngine
 
-        for m in (self.trainer.model_wrapped, model):
+        wrapped = self.accelerator.deepspeed_engine_wrapped  # (None until the Trainer prepares the model)
+        for m in (None if wrapped is None else wrapped.engine, model):
             if isinstance(m, DeepSpeedEngine):
                 zero.register_engine(m)
 
@@ -158,23 +170,10 @@ class StepFlow:
         engine.step()
 
     def _engine(self):
-        engine = self.trainer.model_wrapped
-        if not hasattr(engine, "coalesce_grad_reduction"):
-            raise RuntimeError("under DeepSpeed the trainer's model_wrapped should be a DeepSpeed engine.")
-        return engine
-
-
-def idle_walks(executor, no_grad_passes: int, training: bool) -> None:
-    """A rank with nothing to walk (every row masked) on a sharded model makes the walks the other ranks make
-    (``no_grad_passes`` no-gradient passes, for the entropy quantile and the MoE router counts, then the walk
-    itself), on a two-token trie with a zero loss, so that every rank's collectives match."""
-    idle = PrefixTrie.from_sequences([[0, 1]])
-    for _ in range(no_grad_passes):
-        executor.logprobs(idle)
-    if training:
-        executor.backward(idle, lambda i, logps, entropies: logps.sum() * 0.0)
-    else:
-        executor.logprobs(idle)
+        wrapped = self.accelerator.deepspeed_engine_wrapped
+        if wrapped is None:
+            raise RuntimeError("under DeepSpeed the trainer's accelerator should have prepared an engine.")
+        return wrapped.engine
 
 
 def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:

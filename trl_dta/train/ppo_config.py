@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ..walk.checks import check_count
 from .tree_args import TreeArguments
 
 
@@ -15,9 +14,9 @@ class TreePPOConfig(TreeArguments, GRPOConfig):
     """Configuration for :class:`~trl_dta.TreePPOTrainer`: every ``GRPOConfig`` field, plus:
 
     Args:
-        tree_memory_budget, tree_block_size, tree_batch_tokens, tree_subtree_tokens, tree_check_gradients,
-        tree_check_tolerance:
-            The walk's memory and token budgets and its gradient check, shared with
+        tree_memory_budget, tree_block_size, tree_batch_tokens, tree_subtree_tokens, tree_oom_retries,
+        tree_check_gradients, tree_check_tolerance:
+            The walk's memory and token budgets, its out-of-memory retries and its gradient check, shared with
             :class:`~trl_dta.TreeSFTConfig`: :class:`~trl_dta.train.tree_args.TreeArguments` documents them.
         tree_lexicographic_steps (`bool`, defaults to `False`):
             Opt-in. Instead of TRL's random shuffle, order each generation batch lexicographically (rows that
@@ -34,13 +33,6 @@ class TreePPOConfig(TreeArguments, GRPOConfig):
             call, all ranks' calls kept in lock-step: one layer's parameters and gradients at a time, for
             models that do not fit otherwise, at the cost of a gather per layer and call (README, "Multi-GPU
             and sharded training").
-        tree_oom_retries (`int`, defaults to 3):
-            A walk that runs out of memory (`torch.OutOfMemoryError`) discards the gradients it added, halves
-            the token budgets it used (given, or derived from `tree_memory_budget`) and walks the step's trie
-            again, up to this many times; then it raises, naming the budgets and the step's longest path.
-            The smaller budgets stay, and double back after 100 optimizer steps without running out (then
-            derived from `tree_memory_budget` again, where they were). Retries are logged as
-            `tree/oom_retries`. 0 turns it off (docs/memory.md, "Running out of memory").
 
     Defaults that differ from ``GRPOConfig``:
 
@@ -61,9 +53,6 @@ class TreePPOConfig(TreeArguments, GRPOConfig):
         default=False,
         metadata={"help": "FSDP2: gather each decoder layer per call (memory) instead of once per step."},
     )
-    tree_oom_retries: int = field(
-        default=3, metadata={"help": "Out of memory: walk again, budgets halved, this many times (0: off)."}
-    )
     disable_dropout: bool = field(
         default=True, metadata={"help": "Disable dropout (required for exactness)."}
     )
@@ -74,4 +63,3 @@ class TreePPOConfig(TreeArguments, GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()  # (TreeArguments checks the shared options)
-        check_count("tree_oom_retries", self.tree_oom_retries)

@@ -1,12 +1,13 @@
-"""One walk of a trainer step: the rows of several TRL micro-batches in one prefix trie, each row's loss
-that of its own micro-batch, and each micro-batch's share of the results in TRL's (B, T) shapes.
+""":class:`~trl_dta.TreePPOTrainer`'s side of the step seam (:mod:`trl_dta.train.step`): a step's TRL
+micro-batches as the walk's sequences, each row's loss that of its own micro-batch, and the walk's values
+back in TRL's (B, T) shapes.
 
-:func:`build_trie` puts the rows in a trie and records, per trie sequence, its :class:`Owner`
-(micro-batch, row, prompt length). :class:`StepLosses` is the walk's ``loss_fn``: it computes a row's loss
-with its micro-batch's :class:`~trl_dta.train.ppo_losses.RowLoss` and collects the detached log-probs,
-entropies and loss sums per micro-batch, which :meth:`StepLosses.results` hands back as one
-:class:`Walked` each. It keeps each value by sequence, so a walk run again after running out of memory
-(:mod:`trl_dta.walk.recovery`) overwrites what the failed walk collected instead of adding to it.
+:func:`step_sequences` turns the rows of several micro-batches into the walk's sequences
+(:class:`~trl_dta.train.step.StepSequence`) and records, per sequence, its :class:`Owner` (micro-batch, row,
+prompt length). :class:`RowLosses` is the walk's loss function: a row's loss by its micro-batch's
+:class:`~trl_dta.train.ppo_losses.RowLoss`. :func:`walked_batches` reads the step's
+:class:`~trl_dta.train.step.SequenceResults` (kept by sequence: a walk run again after running out of memory
+overwrites them) into one :class:`Walked` per micro-batch.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from typing import NamedTuple
 
 import torch
 
-from ..trie import PrefixTrie
 from .ppo_rows import batch_rows
+from .step import SequenceResults, StepSequence
 
 
 class Owner(NamedTuple):
-    """Where a trie sequence comes from: row ``row`` of micro-batch ``batch``, whose prompt has
+    """Where a walk sequence comes from: row ``row`` of micro-batch ``batch``, whose prompt has
     ``prompt_length`` tokens (its completion's log-probs start at index ``prompt_length - 1``)."""
 
     batch: int
@@ -30,10 +31,11 @@ class Owner(NamedTuple):
     prompt_length: int
 
 
-def build_trie(batches: Sequence[dict], keep_prompt_only: bool) -> tuple[PrefixTrie | None, list[Owner]]:
-    """One trie of the rows of ``batches``, and per trie sequence its :class:`Owner`. Rows with no completion
-    token have no loss and are left out, unless ``keep_prompt_only`` (MoE models: TRL's load-balancing loss
-    counts every token of the attention mask, the prompt of such a row too)."""
+def step_sequences(batches: Sequence[dict], keep_prompt_only: bool) -> tuple[list[StepSequence], list[Owner]]:
+    """The rows of ``batches`` as the walk's sequences (scored from their completion on), and per sequence
+    its :class:`Owner`. Rows with no completion token have no loss and are left out, unless
+    ``keep_prompt_only`` (MoE models: TRL's load-balancing loss counts every token of the attention mask, the
+    prompt of such a row too)."""
     seqs, owners = [], []
     for b, inputs in enumerate(batches):
         for i, row in enumerate(batch_rows(inputs)):
@@ -41,9 +43,9 @@ def build_trie(batches: Sequence[dict], keep_prompt_only: bool) -> tuple[PrefixT
                 continue
             if len(row.tokens) < 2:
                 raise ValueError(f"row {i} has a single token; the tree walk needs at least two per row.")
-            seqs.append(row.tokens)
+            seqs.append(StepSequence(row.tokens, b, row.prompt_length - 1))
             owners.append(Owner(b, i, row.prompt_length))
-    return (PrefixTrie.from_sequences(seqs) if seqs else None), owners
+    return seqs, owners
 
 
 def scatter(values: Sequence[torch.Tensor], owners: Sequence[Owner], shapes, device) -> list[torch.Tensor]:
@@ -68,40 +70,39 @@ class Walked:
     aux_term: float = 0.0
 
 
-class StepLosses:
-    """The walk's ``loss_fn`` for the rows of ``batches``: row losses by ``row_losses[batch]`` (a callable
-    ``(row, logps, entropies) -> scalar``), with the values each micro-batch needs collected on the way."""
+class RowLosses:
+    """The walk's loss function for a step's sequences: sequence ``k``'s loss by its micro-batch's row loss
+    (``row_losses[batch]``, a callable ``(row, logps, entropies) -> scalar``). It only computes: the values
+    are kept by the step's result store."""
 
-    def __init__(self, batches: Sequence[dict], owners: Sequence[Owner], row_losses: Sequence[Callable]):
+    def __init__(self, owners: Sequence[Owner], row_losses: Sequence[Callable]):
         self.owners, self.row_losses = owners, row_losses
-        shapes = [b["completion_ids"].shape for b in batches]
-        device = batches[0]["completion_ids"].device
-        self.logps = [torch.zeros(s, device=device) for s in shapes]
-        self.entropies = [torch.zeros(s, device=device) for s in shapes]
-        # per micro-batch, by trie sequence: each row's loss and its magnitude
-        self.totals: list[dict[int, torch.Tensor]] = [{} for _ in batches]
-        self.magnitudes: list[dict[int, torch.Tensor]] = [{} for _ in batches]
 
-    def __call__(self, index: int, lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
-        b, i = self.owners[index].batch, self.owners[index].row
-        n = lp.numel()
-        if n == 0:  # a prompt-only row, kept for the MoE load-balancing loss: no policy loss
+    def __call__(self, k: int, lp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+        owner = self.owners[k]
+        if lp.numel() == 0:  # a prompt-only row, kept for the MoE load-balancing loss: no policy loss
             return lp.new_zeros(())
-        self.logps[b][i, :n], self.entropies[b][i, :n] = lp.detach(), ent.detach()
-        loss = self.row_losses[b](i, lp, ent)
-        self.totals[b][index] = loss.detach()
-        self.magnitudes[b][index] = loss.detach().abs()
-        return loss
+        return self.row_losses[owner.batch](owner.row, lp, ent)
 
-    def results(self, auxes: Sequence[torch.Tensor | None], aux_terms: Sequence[float]) -> list[Walked]:
-        """Each micro-batch's :class:`Walked`, with its MoE aux value and term (None, 0.0: dense models)."""
 
-        def total(terms: dict[int, torch.Tensor]) -> float:
-            return float(sum(t.double() for t in terms.values()))
-
-        return [
-            Walked(lp, ent, aux, total(tot), total(mag), term)
-            for lp, ent, aux, tot, mag, term in zip(
-                self.logps, self.entropies, auxes, self.totals, self.magnitudes, aux_terms, strict=True
-            )
-        ]
+def walked_batches(
+    results: SequenceResults, owners: Sequence[Owner], batches: Sequence[dict], auxes, aux_terms
+) -> list[Walked]:
+    """Each micro-batch's :class:`Walked` from the step's per-sequence results, with its MoE aux value and
+    term (None and 0.0 for dense models, or a micro-batch with no sequence: then a zero aux for MoE)."""
+    shapes = [b["completion_ids"].shape for b in batches]
+    device = batches[0]["completion_ids"].device
+    logps = [torch.zeros(s, device=device) for s in shapes]
+    entropies = [torch.zeros(s, device=device) for s in shapes]
+    members: list[list[int]] = [[] for _ in batches]
+    for k, owner in enumerate(owners):
+        lp, ent = results.logps[k], results.entropies[k]
+        if lp is None or lp.numel() == 0:  # (not scored, or a prompt-only row)
+            continue
+        logps[owner.batch][owner.row, : lp.numel()] = lp
+        entropies[owner.batch][owner.row, : lp.numel()] = ent
+        members[owner.batch].append(k)
+    return [
+        Walked(lp, ent, aux, results.total(ks), results.total(ks, absolute=True), term)
+        for lp, ent, aux, ks, term in zip(logps, entropies, auxes, members, aux_terms, strict=True)
+    ]

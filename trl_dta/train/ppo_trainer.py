@@ -5,8 +5,8 @@ shuffle of each generation batch into micro-batches, gradient accumulation, logg
 saving. What changes:
 
 * ``compute_loss``: at the first micro-batch of each optimizer step, the rows of *all* the step's
-  micro-batches (TRL's buffered, shuffled micro-batches) go into one prefix trie, walked once by
-  :meth:`TreeExecutor.backward` (:mod:`trl_dta.train.ppo_step`); each row's loss is
+  micro-batches (TRL's buffered, shuffled micro-batches) go into one prefix trie, walked once through the
+  step seam (:class:`~trl_dta.train.step.StepWalker`; :mod:`trl_dta.train.ppo_step`); each row's loss is
   :class:`~trl_dta.train.ppo_losses.RowLoss` with the constants of the micro-batch TRL put it in, so the
   accumulated gradient is exactly TRL's, for every loss type. The gradients land in ``.grad`` during the
   walk. Each micro-batch's ``compute_loss`` then runs TRL's ``_compute_loss`` on that micro-batch's
@@ -19,19 +19,18 @@ saving. What changes:
 * The LM head runs only on completion positions (``score_from``), as TRL's ``logits_to_keep`` does.
 * :meth:`TreePPOTrainer.dense_loss` is stock TRL's dense loss of a micro-batch, for checking the walk
   (``tree_check_gradients``).
-* Multi-process (:mod:`trl_dta.train.multi_process`): under DDP the walk runs on the unwrapped module and the
-  trainer averages the gradients once per step; under FSDP2 the walk gathers the parameters once and FSDP2
-  reduce-scatters once per walk (:mod:`trl_dta.walk.sharding`); under DeepSpeed ZeRO-2/3 the walk gathers
-  once (ZeRO-3) and DeepSpeed reduces once per optimizer step (:mod:`trl_dta.walk.deepspeed`). FSDP1 is
-  refused.
+* Multi-process (the step seam's, :mod:`trl_dta.train.multi_process`): under DDP the walk runs on the
+  unwrapped module and the gradients are averaged once per step; under FSDP2 the walk gathers the
+  parameters once and FSDP2 reduce-scatters once per walk (:mod:`trl_dta.walk.sharding`); under DeepSpeed
+  ZeRO-2/3 the walk gathers once (ZeRO-3) and DeepSpeed reduces once per optimizer step
+  (:mod:`trl_dta.walk.deepspeed`). FSDP1 is refused. With several processes the step's rollouts are first
+  re-split across ranks (:mod:`trl_dta.train.ppo_repartition`), except for losses with per-micro-batch
+  statistics (bnpo, ``top_entropy_quantile``, the entropy bonus).
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
-import time
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -39,18 +38,13 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
-from ..trie import PrefixTrie
 from ..vllm import VLLMMixin
-from ..walk.determinism import check_deterministic, disable_randomness
-from ..walk.executor import TreeExecutor
 from . import ppo_repartition
-from .gradient_check import GradientCheck
-from .load_balancing import step_router_grad
-from .multi_process import StepFlow, check_distributed, idle_walks
 from .ppo_config import TreePPOConfig
 from .ppo_losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
 from .ppo_rows import concat_batches, take_rows
-from .ppo_step import StepLosses, Walked, build_trie, scatter
+from .ppo_step import RowLosses, Walked, scatter, step_sequences, walked_batches
+from .step import StepWalker, check_arguments
 from .tree_args import PAPER
 
 logger = logging.getLogger(__name__)
@@ -85,80 +79,27 @@ class TreePPOTrainer(VLLMMixin, GRPOTrainer):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = TreePPOConfig(f"{name.split('/')[-1]}-TreePPO")
+        check_arguments(args, model, kwargs.get("peft_config"))  # (before TRL's set-up)
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         a = self.args
-        self._tree_options = {
-            "block_size": getattr(a, "tree_block_size", None),
-            "batch_tokens": getattr(a, "tree_batch_tokens", None),
-            "subtree_tokens": getattr(a, "tree_subtree_tokens", None),
-            "memory_budget": getattr(a, "tree_memory_budget", TreePPOConfig.tree_memory_budget),
-            "lm_head_fp32": a.cast_lm_head_to_fp32,
-            "gather_per_layer": getattr(a, "tree_gather_per_layer", False),
-            "oom_retries": getattr(a, "tree_oom_retries", TreePPOConfig.tree_oom_retries),
-        }
-        self._tree_check = getattr(a, "tree_check_gradients", False)
-        self._tree_check_tolerance = getattr(a, "tree_check_tolerance", TreePPOConfig.tree_check_tolerance)
-        self._executors: dict[int, TreeExecutor] = {}
+        self._walker = StepWalker(a, self.accelerator, self.model)
+        self._walker.reserve(self.vllm_reserved_bytes())  # (a colocated vLLM engine's share, VLLMMixin)
         self._tree_pending: dict[int, Walked] = {}  # walked micro-batches of this step, by buffer index
         self._tree_position = 0  # micro-batches of the current optimizer step served so far
         self._tree_lexicographic = getattr(a, "tree_lexicographic_steps", False)
         self._tree_ordered = None  # the buffered micro-batches last put in lexicographic order
         self._loss_settings = LossSettings.from_trainer(self)
-        if a.fp16:
-            raise ValueError(
-                "fp16 mixed precision (gradient scaling) is not supported by the tree walk; use bf16."
-            )
-        if getattr(a, "use_liger_kernel", False):
-            raise ValueError(
-                "use_liger_kernel replaces the loss computation; it is not supported by the tree walk."
-            )
-        check_distributed(self.accelerator, self._tree_options["gather_per_layer"])
-        self._flow = StepFlow(self.accelerator, self)
         if a.disable_dropout:
-            self._disable_randomness()
-        self._multi_process = self.accelerator.num_processes > 1
-        if self._multi_process and self._tree_check:
-            raise ValueError("tree_check_gradients runs on a single process only.")
-        if self._flow.deepspeed and self._tree_check:  # (DeepSpeed's hooks would reduce its dense backward)
-            raise ValueError("tree_check_gradients is not supported under DeepSpeed; check without it.")
+            self._walker.disable_randomness(self.model, self.ref_model)
         # Re-partition the global batch in lexicographic runs, unless the loss has per-micro-batch statistics
         # (bnpo, top_entropy_quantile, entropy bonus): those keep TRL's per-rank batches.
-        self._repartition = self._multi_process and not (
+        self._repartition = self._walker.multi_process and not (
             self.loss_type == "bnpo" or self.top_entropy_quantile < 1.0 or self._entropy_bonus_enabled
         )
 
-    # ------------------------------------------------------------------ helpers
-    def _disable_randomness(self) -> None:
-        """``disable_dropout``: TRL has zeroed the ``nn.Dropout`` modules; also zero the probabilities held
-        as numbers (OPT's functional dropout and layer drop, Mixtral's router jitter, config keys read at
-        each forward), then check by behaviour that the policy is deterministic in train mode (what is left
-        is refused, with the settings named)."""
-        policy = self.accelerator.unwrap_model(self.model)
-        for model in (policy, self.ref_model):
-            if model is not None:
-                changed = disable_randomness(self.accelerator.unwrap_model(model))
-                if changed:
-                    logger.info("disable_dropout: set to 0: %s", ", ".join(changed))
-        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-        if any(p.is_meta for p in policy.parameters()):
-            return  # weights on rank 0 only (FSDP's cpu_ram_efficient_loading): the walk's first call checks
-        modes = [(m, m.training) for m in policy.modules()]
-        policy.train()
-        try:
-            device = base.get_input_embeddings().weight.device
-            check_deterministic(policy, base, device, type(base).__name__)
-        finally:
-            for m, mode in modes:
-                m.training = mode
-
-    def _executor(self, model) -> TreeExecutor:
-        self._flow.register(model)  # (DeepSpeed: the walk finds the engines)
-        model = self.accelerator.unwrap_model(model)
-        if id(model) not in self._executors:
-            executor = TreeExecutor(model, **self._tree_options)
-            executor.budgets.reserve(self.vllm_reserved_bytes())  # (a colocated vLLM engine's share)
-            self._executors[id(model)] = executor
-        return self._executors[id(model)]
+    def _executor(self, model):
+        """The walk's executor of ``model`` (the step seam's)."""
+        return self._walker.executor(model)
 
     # ------------------------------------------------------------------ multi-process: re-partition
     def _generate_and_score_completions(self, inputs):
@@ -214,18 +155,11 @@ class TreePPOTrainer(VLLMMixin, GRPOTrainer):
             "completion_ids": input_ids[:, prompt_len:],
             "completion_mask": attention_mask[:, prompt_len:],
         }
-        trie, owners = build_trie([batch], keep_prompt_only=self.aux_loss_enabled)
-        shape = [(input_ids.shape[0], logits_to_keep)]
-        if trie is None:
-            if self._flow.needs_idle_walks(self.accelerator.unwrap_model(model)):
-                self._executor(model).logprobs(PrefixTrie.from_sequences([[0, 1]]))  # (others gather: join)
-            logps = torch.zeros(shape[0], device=input_ids.device)
-            return logps, (torch.zeros_like(logps) if compute_entropy else None), None
-        with self.accelerator.autocast():
-            out = self._executor(model).logprobs(
-                trie, self.temperature, entropies=compute_entropy, score_from=_score_from(owners)
-            )
+        seqs, owners = step_sequences([batch], keep_prompt_only=self.aux_loss_enabled)
+        with self._walker.step(model, seqs, training=False) as step:
+            out = step.logprobs(self.temperature, entropies=compute_entropy)
         lps, ents = out if compute_entropy else (out, None)
+        shape = [(input_ids.shape[0], logits_to_keep)]
         logps = scatter(lps, owners, shape, input_ids.device)[0]
         entropies = scatter(ents, owners, shape, input_ids.device)[0] if compute_entropy else None
         return logps, entropies, None
@@ -246,7 +180,7 @@ class TreePPOTrainer(VLLMMixin, GRPOTrainer):
             walked = self._walk(model, [inputs], training=False)[0]
         loss = self._trl_loss(inputs, walked)
         if mode == "train" and torch.is_grad_enabled():
-            self._flow.after_micro_batch(model)  # (DDP: the step's gradients averaged once)
+            self._walker.micro_batch_done(model)  # (DDP: the step's gradients averaged once)
             return torch.zeros((), device=loss.device, requires_grad=True) + loss  # gradients are in .grad
         return loss
 
@@ -263,14 +197,8 @@ class TreePPOTrainer(VLLMMixin, GRPOTrainer):
         if index not in self._tree_pending:
             remaining = self.current_gradient_accumulation_steps - self._tree_position
             group = buffered[index : index + remaining]
-            check = None
-            if self._tree_check:
-                check = GradientCheck(self, model, group, self._tree_check_tolerance)
-            walked = self._walk(model, group, training=True)
-            self._tree_pending = dict(zip(range(index, index + len(group)), walked, strict=True))
-            if check is not None:
-                self._metrics["train"]["tree/check_error"].append(check.finish())
-                self._tree_check = False
+            walked_group = self._walk(model, group, training=True)
+            self._tree_pending = dict(zip(range(index, index + len(group)), walked_group, strict=True))
         self._tree_position = 0 if self.accelerator.sync_gradients else self._tree_position + 1
         return self._tree_pending.pop(index)
 
@@ -292,82 +220,35 @@ class TreePPOTrainer(VLLMMixin, GRPOTrainer):
 
     def _walk(self, model, batches: list[dict], training: bool) -> list[Walked]:
         """Walk one trie of the rows of ``batches`` (backward in training, log-probs in evaluation), each row
-        with its own micro-batch's loss; return each micro-batch's share."""
-        started = time.perf_counter()
-        trie, owners = build_trie(batches, keep_prompt_only=self.aux_loss_enabled)
-        if trie is None and self._flow.needs_idle_walks(self.accelerator.unwrap_model(model)):
-            passes = int(self.top_entropy_quantile < 1.0) + int(self.aux_loss_enabled)  # (no-grad ones first)
-            with self._flow.gradient_walk(model) if training else contextlib.nullcontext():
-                with self.accelerator.autocast():  # the other ranks' walks gather and reduce: take part
-                    idle_walks(self._executor(model), passes, training)
-        executor = self._executor(model) if trie is not None else None
-        calls = dataclasses.replace(executor.calls) if executor is not None else None
-        quantile = self._step_entropies(executor, trie, owners, batches)
-        row_losses = [
-            self._row_loss(inputs, training, None if quantile is None else quantile[b])
-            for b, inputs in enumerate(batches)
-        ]
-        losses = StepLosses(batches, owners, row_losses)
-        auxes, aux_terms = [None] * len(batches), [0.0] * len(batches)
-        if trie is not None:
-            score_from = _score_from(owners)
-            with self.accelerator.autocast():
-                router_grad = None
-                if self.aux_loss_enabled:  # MoE: TRL's load-balancing loss, exactly (load_balancing.py)
-                    coef = self.router_aux_loss_coef / (
-                        self.current_gradient_accumulation_steps if training else 1
-                    )
-                    router_grad = step_router_grad(executor, trie, owners, coef, auxes, aux_terms)
-                if training:
-                    with self._flow.gradient_walk(model):  # (DeepSpeed: inside the step's reduction)
-                        executor.backward(
-                            trie, losses, self.temperature, entropies=True, router_grad=router_grad,
-                            score_from=score_from, entropy_grad=self._entropy_bonus_enabled,
-                        )  # fmt: skip
-                else:
-                    lps, ents = executor.logprobs(
-                        trie, self.temperature, entropies=True, score_from=score_from
-                    )
-                    for k, (lp, ent) in enumerate(zip(lps, ents, strict=True)):
-                        losses(k, lp, ent)
-            seconds = time.perf_counter() - started
-            self._log_trie(trie, "train" if training else "eval", seconds, executor, calls, score_from)
-            retries = sum(e.take_oom_retries() for e in self._executors.values())  # (all passes, since last)
-            self._metrics["train" if training else "eval"]["tree/oom_retries"].append(float(retries))
-        if self.aux_loss_enabled:
-            auxes = [
-                torch.zeros((), device=batches[0]["completion_ids"].device) if a is None else a for a in auxes
+        with its own micro-batch's loss; return each micro-batch's share. The passes, in the order every rank
+        keeps: the step's entropies (``top_entropy_quantile``), the MoE router counts, the walk."""
+        seqs, owners = step_sequences(batches, keep_prompt_only=self.aux_loss_enabled)
+        metrics = self._metrics["train" if training else "eval"]
+        with self._walker.step(model, seqs, training=training, metrics=metrics, dense_loss=self.dense_loss,
+                               batches=batches) as step:  # fmt: skip
+            quantile = None
+            if self.top_entropy_quantile < 1.0:  # couples a micro-batch's rows: their entropies come first
+                _, ents = step.logprobs(self.temperature, entropies=True)
+                shapes = [b["completion_ids"].shape for b in batches]
+                quantile = scatter(ents, owners, shapes, batches[0]["completion_ids"].device)
+            row_losses = [
+                self._row_loss(inputs, training, None if quantile is None else quantile[b])
+                for b, inputs in enumerate(batches)
             ]
-        return losses.results(auxes, aux_terms)
-
-    def _step_entropies(self, executor, trie, owners, batches) -> list[torch.Tensor] | None:
-        """``top_entropy_quantile`` couples a micro-batch's rows through their entropies: one no-grad pass
-        computes them for every micro-batch before the walk (None when the option is off)."""
-        if self.top_entropy_quantile >= 1.0 or trie is None:
-            return None
-        with torch.no_grad(), self.accelerator.autocast():
-            _, ents = executor.logprobs(
-                trie, self.temperature, entropies=True, score_from=_score_from(owners)
-            )
-        shapes = [b["completion_ids"].shape for b in batches]
-        return scatter(ents, owners, shapes, batches[0]["completion_ids"].device)
-
-    def _log_trie(self, trie, mode: str, seconds: float, executor, before, score_from) -> None:
-        """The walk's metrics: the trie's tokens and dedup ratio, the FLOP-weighted ideal (dense FLOPs /
-        walk FLOPs, :mod:`trl_dta.walk.flops`), the model calls of all the walk's passes (forward + backward)
-        and the tokens per forward call, and the walk's time."""
-        metrics = self._metrics[mode]
-        metrics["tree/tokens"].append(float(trie.num_tokens))
-        metrics["tree/unique_tokens"].append(float(trie.num_unique_tokens))
-        metrics["tree/dedup_ratio"].append(trie.dedup_ratio)
-        dense, walk = executor.flops(trie, score_from)
-        metrics["tree/flop_ratio"].append(dense / walk)
-        forward, backward = executor.calls.forward - before.forward, executor.calls.backward - before.backward
-        metrics["tree/calls"].append(float(forward + backward))
-        metrics["tree/tokens_per_call"].append((executor.calls.tokens - before.tokens) / max(forward, 1))
-        metrics["tree/time"].append(seconds)
-        for name, value in executor.budgets.metrics().items():  # the budgets in use (derived or given)
-            metrics[f"tree/{name}"].append(value)
+            auxes, aux_terms = [None] * len(batches), [0.0] * len(batches)
+            if self.aux_loss_enabled:  # MoE: TRL's load-balancing loss, exactly (load_balancing.py)
+                steps = self.current_gradient_accumulation_steps if training else 1
+                coef = self.router_aux_loss_coef / steps
+                auxes, aux_terms = step.router_loss(coef, len(batches))
+            losses = RowLosses(owners, row_losses)
+            if training:
+                step.backward(losses, self.temperature, entropy_grad=self._entropy_bonus_enabled)
+            else:
+                step.score(losses, self.temperature)
+        if self.aux_loss_enabled:
+            device = batches[0]["completion_ids"].device
+            auxes = [torch.zeros((), device=device) if a is None else a for a in auxes]
+        return walked_batches(step.results, owners, batches, auxes, aux_terms)
 
     def _trl_loss(self, inputs, walked: Walked) -> torch.Tensor:
         """TRL's own loss of the micro-batch on the walk's values (its metrics and state), checked against the

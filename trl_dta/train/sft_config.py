@@ -15,10 +15,10 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
     """Configuration for :class:`~trl_dta.TreeSFTTrainer`: every ``SFTConfig`` field, plus:
 
     Args:
-        tree_memory_budget, tree_block_size, tree_batch_tokens, tree_subtree_tokens, tree_check_gradients,
-        tree_check_tolerance:
-            The walk's memory and token budgets and its gradient check, as in :class:`~trl_dta.TreePPOConfig`:
-            :class:`~trl_dta.train.tree_args.TreeArguments` documents them.
+        tree_memory_budget, tree_block_size, tree_batch_tokens, tree_subtree_tokens, tree_oom_retries,
+        tree_check_gradients, tree_check_tolerance:
+            The walk's memory and token budgets, its out-of-memory retries and its gradient check, as in
+            :class:`~trl_dta.TreePPOConfig`: :class:`~trl_dta.train.tree_args.TreeArguments` documents them.
         tree_token_accuracy (`bool`, defaults to `True`):
             Log TRL's `mean_token_accuracy` (is each label token the model's top-1 token?). The walk scores a
             sequence by its labels' log-probs and entropies only, so the top-1 test costs one more forward of
@@ -28,7 +28,10 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
         disable_dropout (`bool`, defaults to `True`):
             Disable dropout in the model (the name and meaning of ``GRPOConfig``'s option; ``SFTConfig`` has
             none). A shared prefix shares one dropout mask, so the walk equals the dense loss only without
-            randomness; with `False` a model with dropout is refused by the walk.
+            randomness: as in :class:`~trl_dta.TreePPOConfig`, the probabilities models hold as numbers are
+            set to 0 too, then two forwards of the same input in train mode must agree, or the trainer
+            refuses the model at construction, naming the settings. With `False` a model with dropout is
+            refused by the walk.
 
     Defaults that differ from ``SFTConfig``:
 

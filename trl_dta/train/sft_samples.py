@@ -10,7 +10,9 @@ sample is walked as one trie sequence, which is what TRL's forward computes for 
 
 Log-prob index ``t`` of a sample scores its token ``t + 1``, whose label is ``labels[t + 1]``: the sample is
 cut after its last trained token (later tokens change no trained log-prob), scored from its first trained
-index on (``score_from``), and weighted by its trained indices (``mask``).
+index on (``score_from``), and weighted by its trained indices (``mask``). With ``whole=True`` (MoE models:
+TRL's load-balancing loss counts every real token of the batch) samples are kept whole, those without a
+trained token too (scored nowhere).
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ def _row_pieces(inputs: dict, r: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     return [(ids[a:b], labels[a:b]) for a, b in _runs(positions[r])]
 
 
-def batch_samples(batches: Sequence[dict]) -> list[Sample]:
-    """Every sample of ``batches`` (TRL SFT micro-batches) that has a trained token, in order."""
+def batch_samples(batches: Sequence[dict], whole: bool = False) -> list[Sample]:
+    """Every sample of ``batches`` (TRL SFT micro-batches) that has a trained token, in order, cut after it;
+    ``whole``: every sample, uncut."""
     samples = []
     for b, inputs in enumerate(batches):
         unknown = sorted(set(inputs) - KNOWN)
@@ -89,7 +92,7 @@ def batch_samples(batches: Sequence[dict]) -> list[Sample]:
         for r in range(inputs["input_ids"].shape[0]):
             for ids, labels in _row_pieces(inputs, r):
                 trained = labels[1:] != IGNORE  # log-prob index t scores token t + 1
-                if not bool(trained.any()):
+                if not (whole or bool(trained.any())):
                     continue
                 wrong = trained & (labels[1:] != ids[1:])
                 if bool(wrong.any()):
@@ -97,9 +100,15 @@ def batch_samples(batches: Sequence[dict]) -> list[Sample]:
                         f"row {r} of micro-batch {b} has labels that differ from its input_ids (not -100): "
                         "the tree walk scores each token of the sequence, as TRL's collator labels it."
                     )
+                if whole and ids.numel() < 2:
+                    raise ValueError(
+                        f"row {r} of micro-batch {b} has a one-token sample: the MoE load-balancing loss "
+                        "counts every token, and the tree walk needs two or more per sequence."
+                    )
                 where = trained.nonzero().flatten()
-                first, last = int(where[0]), int(where[-1])
-                samples.append(Sample(b, ids[: last + 2].tolist(), first, trained[first : last + 1].clone()))
+                first = int(where[0]) if where.numel() else ids.numel() - 1
+                end = ids.numel() if whole else int(where[-1]) + 2
+                samples.append(Sample(b, ids[:end].tolist(), first, trained[first : end - 1].clone()))
     return samples
 
 

@@ -7,44 +7,40 @@ accumulation, logging, evaluation, checkpointing, saving. What changes:
 * :meth:`get_batch_samples` (where the Trainer fetches an optimizer step's micro-batches before training on
   them) keeps the step's micro-batches; at the step's first ``compute_loss`` every sample of all of them
   goes into one prefix trie (:mod:`trl_dta.train.sft_samples`: a row, or each sample of a padding-free row),
-  walked once by :meth:`TreeExecutor.backward`. Each sample's loss is TRL's terms for its tokens (``nll`` or
+  walked once through the step seam (:class:`~trl_dta.train.step.StepWalker`, which also runs
+  :class:`~trl_dta.TreePPOTrainer`'s steps). Each sample's loss is TRL's terms for its tokens (``nll`` or
   ``dft``) with the normaliser of its micro-batch (``num_items_in_batch`` across accumulation and ranks, or
-  the micro-batch's own token count and the accumulation steps), so the accumulated gradient is TRL's. The
-  gradients land in ``.grad`` during the walk; each micro-batch's ``compute_loss`` returns TRL's loss value
-  on a fresh tensor (the Trainer's ``backward`` adds nothing) and logs TRL's metrics for it.
+  the micro-batch's own token count and the accumulation steps), plus, for MoE models, TRL's
+  load-balancing loss of each micro-batch (:mod:`trl_dta.train.load_balancing`), so the accumulated
+  gradient is TRL's. The gradients land in ``.grad`` during the walk; each micro-batch's ``compute_loss``
+  returns TRL's loss value on a fresh tensor (the Trainer's ``backward`` adds nothing) and logs TRL's
+  metrics for it, from the values the seam keeps per sample (a walk retried after running out of memory
+  overwrites them).
 * Metrics: ``entropy``, ``mean_token_accuracy`` (one more no-graph pass, ``tree_token_accuracy``),
-  ``num_tokens``, as TRL computes them per micro-batch, and ``tree/*`` of each walk.
+  ``num_tokens``, ``aux_loss`` (MoE), as TRL computes them per micro-batch, and ``tree/*`` of each step.
 * Evaluation (no gradients) runs TRL's own dense ``compute_loss``.
-* DDP: the walk runs on the unwrapped module and the gradients are averaged once per step; TRL's per-rank
-  batches are kept. FSDP2: each walk gathers the sharded parameters once and reduce-scatters the gradients
-  once (:mod:`trl_dta.walk.sharding`). FSDP1, DeepSpeed, context/sequence parallelism are refused (the
-  distributed checks are ``TreePPOTrainer``'s, :func:`~trl_dta.train.multi_process.check_distributed`), as are
-  settings whose loss the walk cannot compute from its log-probs and entropies (label smoothing,
-  ``compute_loss_func``, Liger kernels), multimodal data, MoE load balancing (``router_aux_loss_coef``),
-  fp16, activation offloading.
+* Multi-process, as for ``TreePPOTrainer`` (the seam's, :mod:`trl_dta.train.multi_process`): DDP (the walk
+  on the unwrapped module, the gradients averaged once per step), FSDP2 (each walk gathers once and
+  reduce-scatters once), DeepSpeed ZeRO-2/3 (one reduction per step); TRL's per-rank batches are kept.
+* Refused at construction: FSDP1, context/sequence parallelism, settings whose loss the walk cannot compute
+  from its log-probs and entropies (label smoothing, ``compute_loss_func``, Liger kernels), multimodal data,
+  fp16, activation offloading, PEFT prompt learning (docs/sft.md lists them with the reasons).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from accelerate.utils import DistributedType
-from torch.distributed.tensor import DTensor
 from trl import SFTTrainer
 
-from ..trie import PrefixTrie
-from ..walk.determinism import disable_randomness
-from ..walk.executor import TreeExecutor
-from ..walk.sharding import fsdp_units
-from .gradient_check import GradientCheck
-from .multi_process import all_reduce_gradients, check_distributed, idle_walks
 from .sft_config import TreeSFTConfig
 from .sft_samples import Sample, batch_samples, num_input_tokens, trained_tokens
+from .step import StepSequence, StepWalk, StepWalker, check_arguments
 from .tree_args import PAPER
 
 # the accuracy pass: at this temperature the label's log-prob is > -(log V + 1) iff it is the top-1 token
@@ -69,7 +65,7 @@ class _MicroBatch:
     loss: float = 0.0
     entropy: float = 0.0  # summed over trained tokens
     correct: float = 0.0  # trained tokens whose label is the top-1 token
-    terms: list = field(default_factory=list)
+    aux: torch.Tensor | None = None  # MoE: its load-balancing loss (TRL's aux_loss metric)
 
 
 class TreeSFTTrainer(SFTTrainer):
@@ -101,41 +97,20 @@ class TreeSFTTrainer(SFTTrainer):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = TreeSFTConfig(f"{name.split('/')[-1]}-TreeSFT")
+        check_arguments(args, model, kwargs.get("peft_config"))  # (before TRL prepares the datasets)
         super().__init__(model, args, *rest, **kwargs)
-        a = self.args
-
-        def option(name):
-            return getattr(a, name, getattr(TreeSFTConfig, name))
-
-        self._tree_options = {
-            "block_size": option("tree_block_size"),
-            "batch_tokens": option("tree_batch_tokens"),
-            "subtree_tokens": option("tree_subtree_tokens"),
-            "memory_budget": option("tree_memory_budget"),
-        }
-        self._tree_check = option("tree_check_gradients")
-        self._tree_check_tolerance = option("tree_check_tolerance")
-        self._tree_accuracy = option("tree_token_accuracy")
-        self._executors: dict[int, TreeExecutor] = {}
-        self._tree_step: _Step | None = None
-        self._multi_process = self.accelerator.num_processes > 1
         self._refuse_unsupported()
-        if option("disable_dropout"):
-            disable_randomness(self.accelerator.unwrap_model(self.model))
+        self._walker = StepWalker(self.args, self.accelerator, self.model)
+        self._tree_accuracy = getattr(self.args, "tree_token_accuracy", TreeSFTConfig.tree_token_accuracy)
+        self._tree_step: _Step | None = None
+        if getattr(self.args, "disable_dropout", TreeSFTConfig.disable_dropout):
+            self._walker.disable_randomness(self.model)
 
     def _refuse_unsupported(self) -> None:
+        """What the walk cannot do in an SFT run (the rest: :class:`~trl_dta.train.step.StepWalker`)."""
         a = self.args
         if self._is_vision_dataset or self._is_vlm:
             raise ValueError("multimodal models and datasets are not supported by the tree walk (text only).")
-        if a.fp16:
-            raise ValueError(
-                "fp16 mixed precision (gradient scaling) is not supported by the tree walk; use bf16."
-            )
-        if a.use_liger_kernel:
-            raise ValueError(
-                "use_liger_kernel replaces the model's layers and loss kernels; it is not supported by the "
-                "tree walk."
-            )
         if self.compute_loss_func is not None:
             raise ValueError(
                 "compute_loss_func needs the full logits; the tree walk computes the loss from each token's "
@@ -147,11 +122,6 @@ class TreeSFTTrainer(SFTTrainer):
                 "computes the label's log-prob and the entropy only. Set label_smoothing_factor=0 (TRL "
                 "deprecates it)."
             )
-        if self.aux_loss_enabled:
-            raise ValueError(
-                "the MoE load-balancing loss (router_aux_loss_coef) is not supported by TreeSFTTrainer yet; "
-                "set router_aux_loss_coef=0.0 (TreePPOTrainer supports it)."
-            )
         if a.activation_offloading:
             raise ValueError(
                 "activation_offloading is not supported; the walk bounds its memory by tree_block_size."
@@ -159,20 +129,10 @@ class TreeSFTTrainer(SFTTrainer):
         parallelism = self.accelerator.parallelism_config
         if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
             raise ValueError("context and sequence parallelism are not supported by the tree walk.")
-        check_distributed(self.accelerator)  # TreePPOTrainer's rules: FSDP1 refused, FSDP2 settings
-        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            raise ValueError(
-                "DeepSpeed is not supported by TreeSFTTrainer yet (TreePPOTrainer routes DeepSpeed's step "
-                "around the walk; the SFT trainer does not): use DDP or FSDP2."
-            )
-        if self._multi_process and self._tree_check:
-            raise ValueError("tree_check_gradients runs on a single process only.")
 
-    def _executor(self, model) -> TreeExecutor:
-        model = self.accelerator.unwrap_model(model)
-        if id(model) not in self._executors:
-            self._executors[id(model)] = TreeExecutor(model, **self._tree_options)
-        return self._executors[id(model)]
+    def _executor(self, model):
+        """The walk's executor of ``model`` (the step seam's)."""
+        return self._walker.executor(model)
 
     # ------------------------------------------------------------------ the step's micro-batches
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -186,14 +146,8 @@ class TreeSFTTrainer(SFTTrainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         walked = self._walked_in_step(model, inputs, num_items_in_batch)
         self._log_metrics(inputs, walked)
+        self._walker.micro_batch_done(model)  # (DDP: the step's gradients averaged once)
         device = inputs["input_ids"].device
-        if self._multi_process and self.accelerator.sync_gradients:
-            # the walk ran on the unwrapped module (no DDP hooks): average the accumulated gradients once (on
-            # an FSDP2 model the walk has reduce-scattered the sharded ones itself: only parameters left out
-            # of every FSDP2 unit are averaged here)
-            plain = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
-            if plain:
-                all_reduce_gradients(plain)
         return torch.zeros((), device=device, requires_grad=True) + walked.loss  # gradients are in .grad
 
     def _walked_in_step(self, model, inputs, num_items_in_batch) -> _MicroBatch:
@@ -211,21 +165,14 @@ class TreeSFTTrainer(SFTTrainer):
             return self._walk(model, [inputs], num_items_in_batch)[0]
         if step.results is None:
             batches = [inputs if k == index else self._prepare_inputs(b) for k, b in enumerate(step.batches)]
-            check = None
-            if self._tree_check:
-                check = GradientCheck(
-                    _DenseStep(self, num_items_in_batch), model, batches, self._tree_check_tolerance
-                )
             step.results = self._walk(model, batches, num_items_in_batch)
-            if check is not None:
-                self._metrics["train"]["tree/check_error"].append(check.finish())
-                self._tree_check = False
         step.served += 1
         return step.results[index]
 
-    def _scales(self, batches, num_items) -> tuple[list[float], list[float]]:
-        """Per micro-batch, the factor of a summed token loss in TRL's loss value, and in the gradient (the
-        Trainer divides by the accumulation steps unless the loss is normalised by ``num_items_in_batch``)."""
+    def _scales(self, batches, num_items) -> tuple[list[float], int]:
+        """Per micro-batch, the factor of a summed token loss in TRL's loss value; and what the Trainer
+        divides the loss by for the gradient (the accumulation steps, unless the loss is normalised by
+        ``num_items_in_batch``: 1)."""
         if self.loss_is_scaled_for_ga is not None:
             scaled = self.loss_is_scaled_for_ga
         else:
@@ -240,55 +187,53 @@ class TreeSFTTrainer(SFTTrainer):
             if self.args.average_tokens_across_devices and num_items is not None:
                 factor *= self.accelerator.num_processes // self.get_tp_size()
             values.append(factor)
-        return values, [v / accumulation for v in values]
+        return values, accumulation
 
     def _walk(self, model, batches: list[dict], num_items) -> list[_MicroBatch]:
         """Walk one trie of every sample of ``batches``, each with its micro-batch's TRL loss; return each
-        micro-batch's loss value and metric sums."""
-        started = time.perf_counter()
-        samples = batch_samples(batches)
-        values, grads = self._scales(batches, num_items)
-        out = [_MicroBatch() for _ in batches]
-        if not samples:
-            if self._multi_process and fsdp_units(self.accelerator.unwrap_model(model)):
-                # the other ranks' walks gather and reduce: take part (the accuracy pass, then the backward)
-                with self.accelerator.autocast():
-                    idle_walks(self._executor(model), int(self._tree_accuracy), training=True)
-            return out
-        trie = PrefixTrie.from_sequences([s.tokens for s in samples])
-        score_from = [s.score_from for s in samples]
-        executor = self._executor(model)
-        before = (executor.calls.forward, executor.calls.backward, executor.calls.tokens)
+        micro-batch's loss value and metric sums. The passes, in the order every rank keeps: the accuracy
+        pass, the MoE router counts, the walk."""
+        samples = batch_samples(batches, whole=self.aux_loss_enabled)
+        values, accumulation = self._scales(batches, num_items)
         dft = self.args.loss_type == "dft"
+        out = [_MicroBatch() for _ in batches]
+        sequences = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
+        dense_loss = functools.partial(self.dense_loss, num_items_in_batch=num_items)
+        with self._walker.step(model, sequences, metrics=self._metrics["train"], dense_loss=dense_loss,
+                               batches=batches) as step:  # fmt: skip
+            if self._tree_accuracy:
+                self._count_correct(step, samples, out)
+            aux_values = [0.0] * len(batches)
+            if self.aux_loss_enabled:  # TRL: + coef * aux / steps, the steps only with num_items_in_batch
+                steps = self.current_gradient_accumulation_steps if num_items is not None else 1
+                coef = self.router_aux_loss_coef / steps
+                auxes, aux_values = step.router_loss(coef / accumulation, len(batches))
+                aux_values = [v * accumulation for v in aux_values]
+                for result, aux in zip(out, auxes, strict=True):
+                    result.aux = aux
 
-        def loss_fn(k: int, logps: torch.Tensor, entropies: torch.Tensor) -> torch.Tensor:
-            sample: Sample = samples[k]
-            mask = sample.mask.to(logps.device)
-            per_token = -logps
-            if dft:  # DFT: https://huggingface.co/papers/2508.05629
-                per_token = per_token * logps.exp().detach()
-            total = torch.where(mask, per_token, 0.0).sum()
-            result = out[sample.batch]
-            result.terms.append(total.detach())
-            result.entropy += float(torch.where(mask, entropies.detach(), 0.0).double().sum())
-            return total * grads[sample.batch]
+            def loss_fn(k: int, logps: torch.Tensor, entropies: torch.Tensor) -> torch.Tensor:
+                sample: Sample = samples[k]
+                return _token_loss(sample, logps, dft) * (values[sample.batch] / accumulation)
 
-        with self.accelerator.autocast():
-            if self._tree_accuracy:  # (before the backward: the order idle_walks keeps on sharded models)
-                self._count_correct(executor, trie, samples, score_from, out)
-            executor.backward(trie, loss_fn, 1.0, entropies=True, score_from=score_from)
-        for result, value in zip(out, values, strict=True):
-            result.loss = float(sum(t.double() for t in result.terms)) * value
-            result.terms = []
-        self._log_walk(trie, executor, before, score_from, time.perf_counter() - started)
+            step.backward(loss_fn, 1.0, entropies=True, entropy_grad=False)
+        tokens = [0.0] * len(batches)
+        for k, sample in enumerate(samples):  # (the values the walk kept per sample)
+            logps, entropies = step.results.logps[k], step.results.entropies[k]
+            tokens[sample.batch] += float(_token_loss(sample, logps, dft).double())
+            mask = sample.mask.to(entropies.device)
+            out[sample.batch].entropy += float(torch.where(mask, entropies, 0.0).double().sum())
+        for result, total, value, aux in zip(out, tokens, values, aux_values, strict=True):
+            result.loss = total * value + aux
         return out
 
-    def _count_correct(self, executor, trie, samples, score_from, out) -> None:
+    def _count_correct(self, step: StepWalk, samples: list[Sample], out: list[_MicroBatch]) -> None:
         """TRL's ``is_top1`` per trained token, from a no-graph walk at a temperature of ~0: there a label's
         log-prob is ~0 if its logit is the largest, and about -(gap to the largest) / temperature if not."""
-        threshold = -(math.log(executor.lm.vocab_size) + 1.0)
-        with torch.no_grad():
-            cold = executor.logprobs(trie, ACCURACY_TEMPERATURE, score_from=score_from)
+        cold = step.logprobs(ACCURACY_TEMPERATURE)
+        if not cold:
+            return
+        threshold = -(math.log(step.executor.lm.vocab_size) + 1.0)
         for sample, lp in zip(samples, cold, strict=True):
             top1 = (lp > threshold) & sample.mask.to(lp.device)
             out[sample.batch].correct += float(top1.sum())
@@ -313,21 +258,9 @@ class TreeSFTTrainer(SFTTrainer):
             )
         self._total_train_tokens += int(total(num_input_tokens(inputs)).item()) // self._tp_size
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
-
-    def _log_walk(self, trie, executor, before, score_from, seconds: float) -> None:
-        """The walk's metrics: the trie's tokens and dedup ratio, the FLOP-weighted ideal (dense FLOPs / walk
-        FLOPs), the model calls of its passes and tokens per forward call, and its time."""
-        metrics = self._metrics["train"]
-        metrics["tree/tokens"].append(float(trie.num_tokens))
-        metrics["tree/unique_tokens"].append(float(trie.num_unique_tokens))
-        metrics["tree/dedup_ratio"].append(trie.dedup_ratio)
-        dense, walk = executor.flops(trie, score_from)
-        metrics["tree/flop_ratio"].append(dense / walk)
-        forward = executor.calls.forward - before[0]
-        backward = executor.calls.backward - before[1]
-        metrics["tree/calls"].append(float(forward + backward))
-        metrics["tree/tokens_per_call"].append((executor.calls.tokens - before[2]) / max(forward, 1))
-        metrics["tree/time"].append(seconds)
+        if self.aux_loss_enabled:
+            aux = walked.aux if walked.aux is not None else torch.zeros((), device=device)
+            self._metrics[mode]["aux_loss"].append(gather(aux.to(device)).mean().item())
 
     # ------------------------------------------------------------------ the dense path, for checking
     def dense_loss(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
@@ -336,8 +269,8 @@ class TreeSFTTrainer(SFTTrainer):
         were: what ``tree_check_gradients`` (and anyone checking the walk) compares the walk against."""
         with self._state_kept():
             loss = SFTTrainer.compute_loss(self, model, dict(inputs), num_items_in_batch=num_items_in_batch)
-        values, grads = self._scales([inputs], num_items_in_batch)
-        return loss * (grads[0] / values[0])
+        _, accumulation = self._scales([inputs], num_items_in_batch)
+        return loss / accumulation
 
     @contextmanager
     def _state_kept(self):
@@ -349,15 +282,13 @@ class TreeSFTTrainer(SFTTrainer):
             self._metrics, self._total_train_tokens = state
 
 
-class _DenseStep:
-    """The trainer as :class:`GradientCheck` sees it: ``dense_loss(model, inputs)`` with the step's
-    ``num_items_in_batch``."""
-
-    def __init__(self, trainer: TreeSFTTrainer, num_items):
-        self.trainer, self.num_items = trainer, num_items
-
-    def dense_loss(self, model, inputs):
-        return self.trainer.dense_loss(model, inputs, self.num_items)
+def _token_loss(sample: Sample, logps: torch.Tensor, dft: bool) -> torch.Tensor:
+    """TRL's summed loss of a sample's trained tokens from its log-probs (``nll``; ``dft`` weights each by
+    its detached probability, https://huggingface.co/papers/2508.05629)."""
+    per_token = -logps
+    if dft:
+        per_token = per_token * logps.exp().detach()
+    return torch.where(sample.mask.to(logps.device), per_token, 0.0).sum()
 
 
 def _same_batch(raw: dict, inputs: dict) -> bool:

@@ -12,6 +12,7 @@ import textwrap
 from dataclasses import dataclass, field
 
 from ..walk.budgets import Budgets
+from ..walk.checks import check_count
 
 _TITLE = "AReaL-DTA: Dynamic Tree Attention for Efficient Reinforcement Learning of Large Language Models"
 PAPER = {
@@ -31,7 +32,7 @@ PAPER = {
 
 @dataclass
 class TreeArguments:
-    """The walk's memory and token budgets, and its gradient check.
+    """The walk's memory and token budgets, its out-of-memory retries, and its gradient check.
 
     Args:
         tree_memory_budget (`float`, `str` or `None`, defaults to `"auto"`):
@@ -59,6 +60,13 @@ class TreeArguments:
             causal mask and backpropagated in one call. Within the budget a cost model of the device decides
             which calls to merge (`trl_dta.walk.costs`). `None`: derived from `tree_memory_budget`; 0 turns
             it off.
+        tree_oom_retries (`int`, defaults to 3):
+            A walk that runs out of memory (`torch.OutOfMemoryError`) discards the gradients it added, halves
+            the token budgets it used (given, or derived from `tree_memory_budget`) and walks the step's trie
+            again, up to this many times; then it raises, naming the budgets and the step's longest path.
+            The smaller budgets stay, and double back after 100 optimizer steps without running out (then
+            derived from `tree_memory_budget` again, where they were). Retries are logged as
+            `tree/oom_retries`. 0 turns it off (docs/memory.md, "Running out of memory").
         tree_check_gradients (`bool`, defaults to `False`):
             On the first optimizer step, also compute its gradients the dense TRL way (each of its
             micro-batches) and raise if the tree walk's gradients differ (relative tolerance
@@ -80,6 +88,9 @@ class TreeArguments:
     tree_subtree_tokens: int | None = field(
         default=None, metadata={"help": "Pack subtrees of at most this many tokens into one call (0: off)."}
     )
+    tree_oom_retries: int = field(
+        default=3, metadata={"help": "Out of memory: walk again, budgets halved, this many times (0: off)."}
+    )
     tree_check_gradients: bool = field(
         default=False,
         metadata={"help": "Compare the first step's gradients with the dense path; raise if off."},
@@ -97,3 +108,4 @@ class TreeArguments:
             self.tree_subtree_tokens,
             prefix="tree_",
         )
+        check_count("tree_oom_retries", self.tree_oom_retries)

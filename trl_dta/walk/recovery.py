@@ -42,7 +42,8 @@ Not recovered: running out of memory outside a walk (the optimizer step, generat
 the construction probe (raised as it is), and a failed CPU allocation inside torch, which raises a plain
 ``RuntimeError`` (not recognisable by type). Gradients a ``loss_fn`` sends to tensors outside the model are
 not rolled back, and a ``loss_fn`` is called again for each sequence of a retried walk, so it must not
-accumulate anything it cannot overwrite (``trl_dta.train.step.StepLosses`` keeps its values by sequence).
+accumulate anything it cannot overwrite (the trainers' step seam keeps its values by sequence:
+``trl_dta.train.step.SequenceResults``).
 """
 
 from __future__ import annotations

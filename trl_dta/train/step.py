@@ -1,0 +1,355 @@
+"""One optimizer step's walk, whichever trainer drives it: :class:`StepWalker`, the one seam between a TRL
+trainer and the tree walk.
+
+A trainer hands the walker the *sequences* of a step (token lists, each with the micro-batch it came from
+and the first log-prob index its loss reads: :class:`StepSequence`) and a per-sequence loss
+``(index, logps, entropies) -> scalar``. The walker owns the rest:
+
+* the executors (one per model it is asked to walk: the policy, a reference model) and their budgets
+  (the ``tree_*`` options of :class:`~trl_dta.train.tree_args.TreeArguments`);
+* the multi-process flow (:mod:`trl_dta.train.multi_process`): DDP's one gradient average per step, FSDP2's
+  and DeepSpeed's walks, and the *idle walks* a rank with nothing to walk makes so that every rank's
+  collectives match (each pass of :class:`StepWalk` on an empty step makes one);
+* out-of-memory recovery (the executor walks a pass again with halved budgets) and a per-sequence result
+  store that is safe to retry (:class:`SequenceResults`: a retried walk overwrites what the failed one
+  recorded, so a loss function must only compute, never accumulate);
+* the checks at construction, the randomness check (``disable_dropout``), the gradient self-check
+  (``tree_check_gradients``) and the ``tree/*`` metrics of each step: the trie's tokens, dedup and FLOP
+  ratios, model calls, time, the budgets in use, out-of-memory retries and the walk's peak memory.
+
+A step is walked in *passes*, each over the whole trie, in an order every rank keeps: no-gradient passes
+first (:meth:`StepWalk.logprobs`, the MoE router counts of :meth:`StepWalk.router_loss`), then the gradient
+pass (:meth:`StepWalk.backward`) or, in evaluation, :meth:`StepWalk.score`. Example (one optimizer step of
+micro-batches, each a list of samples with per-token behaviour log-probs, as an asynchronous GRPO trainer
+packs them)::
+
+    walker = StepWalker(args, accelerator, model)  # in the trainer's __init__, after TRL's
+    sequences = [StepSequence(s.tokens, batch=b, score_from=s.prompt_length - 1)
+                 for b, micro_batch in enumerate(step_batches) for s in micro_batch]
+
+    def loss_fn(k, logps, entropies):  # sequence k's loss: only computes, never accumulates
+        s = samples[k]
+        ratio = torch.exp(logps - s.behaviour_logps)
+        return -(ratio * s.advantage).sum() / tokens_in_step
+
+    with walker.step(model, sequences, metrics=self._metrics["train"]) as step:
+        step.backward(loss_fn, temperature, entropies=True)  # gradients in .grad
+    step.results.losses[k], step.results.logps[k]  # per sequence, detached
+    walker.micro_batch_done(model)  # in each compute_loss: DDP averages after the step's last one
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import NamedTuple
+
+import torch
+
+from ..trie import PrefixTrie
+from ..walk.budgets import Budgets
+from ..walk.determinism import check_deterministic, disable_randomness
+from ..walk.executor import TreeExecutor
+from .gradient_check import GradientCheck
+from .load_balancing import step_router_grad
+from .multi_process import StepFlow, check_distributed, check_trainable
+
+logger = logging.getLogger(__name__)
+LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class StepSequence(NamedTuple):
+    """One sequence of a step's walk."""
+
+    tokens: list[int]  # at least two
+    batch: int  # the micro-batch it came from (an index into the step's micro-batches)
+    score_from: int  # its first scored log-prob index (log-prob t scores token t + 1)
+
+
+class SequenceResults:
+    """Per sequence of a step (by index), what its last scoring computed: its log-probs and entropies from
+    ``score_from`` on, and its loss, all detached (None until scored). A pass walked again after running out
+    of memory scores every sequence again and overwrites them."""
+
+    def __init__(self, count: int):
+        self.logps: list[torch.Tensor | None] = [None] * count
+        self.entropies: list[torch.Tensor | None] = [None] * count
+        self.losses: list[torch.Tensor | None] = [None] * count
+
+    def record(self, index: int, logps, entropies, loss) -> None:
+        self.logps[index] = logps.detach()
+        self.entropies[index] = None if entropies is None else entropies.detach()
+        self.losses[index] = loss.detach() if isinstance(loss, torch.Tensor) else None
+
+    def total(self, indices: Sequence[int], absolute: bool = False) -> float:
+        """The sum of the losses of ``indices`` (or of their magnitudes), in float64."""
+        values = [self.losses[k].double() for k in indices if self.losses[k] is not None]
+        return float(sum(v.abs() if absolute else v for v in values))
+
+
+class StepWalker:
+    """Walks a trainer's optimizer steps (module docstring). Built once, in the trainer's ``__init__`` after
+    TRL's (its accelerator and model are needed); refuses what the walk cannot do at once.
+
+    Args:
+        args: the trainer's config (a :class:`~trl_dta.train.tree_args.TreeArguments`; a plain TRL config
+            gets the tree options' defaults).
+        accelerator: the trainer's ``accelerate.Accelerator``.
+        model: the trainer's model (checked: PEFT prompt learning is refused).
+
+    Besides the shared ``tree_*`` options it reads ``cast_lm_head_to_fp32`` (GRPO's: the LM head in float32)
+    and ``tree_gather_per_layer`` (:class:`~trl_dta.TreePPOConfig`'s: FSDP2, a decoder layer gathered per
+    call) where the config has them.
+    """
+
+    def __init__(self, args, accelerator, model):
+        gather_per_layer = getattr(args, "tree_gather_per_layer", False)
+        check_arguments(args, model)
+        check_distributed(accelerator, gather_per_layer)
+        self.accelerator = accelerator
+        self.flow = StepFlow(accelerator)
+        self.multi_process = accelerator.num_processes > 1
+        self.check_gradients = _option(args, "tree_check_gradients")
+        self.check_tolerance = _option(args, "tree_check_tolerance")
+        if self.multi_process and self.check_gradients:
+            raise ValueError("tree_check_gradients runs on a single process only.")
+        if self.flow.deepspeed and self.check_gradients:  # (DeepSpeed's hooks would reduce the dense pass)
+            raise ValueError("tree_check_gradients is not supported under DeepSpeed; check without it.")
+        names = ("tree_memory_budget", "tree_block_size", "tree_batch_tokens", "tree_subtree_tokens")
+        self.budget_options = tuple(_option(args, name) for name in names)
+        Budgets(*self.budget_options, prefix="tree_")  # (validated now: a plain TRL config is not)
+        self.reserved_bytes = 0.0
+        self.options = {
+            "lm_head_fp32": getattr(args, "cast_lm_head_to_fp32", False),
+            "gather_per_layer": gather_per_layer,
+            "oom_retries": _option(args, "tree_oom_retries"),
+        }
+        self.executors: dict[int, TreeExecutor] = {}
+
+    def executor(self, model) -> TreeExecutor:
+        """The executor of ``model`` (the trainer's, wrapped or not; built, and probed, at the first call)."""
+        self.flow.register(model)  # (DeepSpeed: the walk finds the engines)
+        module = self.accelerator.unwrap_model(model)
+        if id(module) not in self.executors:
+            budgets = Budgets(*self.budget_options, reserved_bytes=self.reserved_bytes, prefix="tree_")
+            self.executors[id(module)] = TreeExecutor(module, budgets=budgets, **self.options)
+        return self.executors[id(module)]
+
+    def reserve(self, reserved_bytes: float) -> None:
+        """Bytes another user of the device claims while the walks run or right after them (a colocated vLLM
+        engine): ``tree_memory_budget="auto"`` takes them off the free memory it measures, for every
+        executor (:class:`~trl_dta.walk.budgets.Budgets`)."""
+        self.reserved_bytes = reserved_bytes
+        for executor in self.executors.values():
+            executor.budgets.reserve(reserved_bytes)
+
+    def disable_randomness(self, policy, *others) -> list[str]:
+        """``disable_dropout``: zero every dropout probability and noise scale of ``policy`` and ``others``
+        (a reference model; None is skipped), on modules and in configs, then check by behaviour that the
+        policy is deterministic in train mode (two forwards of the same input): what is left is refused with
+        the settings named. Returns what was set to 0."""
+        unwrap = self.accelerator.unwrap_model
+        changed = [c for m in (policy, *others) if m is not None for c in disable_randomness(unwrap(m))]
+        if changed:
+            logger.info("disable_dropout: set to 0: %s", ", ".join(changed))
+        policy = unwrap(policy)
+        if any(p.is_meta for p in policy.parameters()):
+            return changed  # weights on rank 0 only (FSDP's cpu_ram_efficient_loading): the probe checks
+        base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+        modes = [(m, m.training) for m in policy.modules()]
+        policy.train()
+        try:
+            device = base.get_input_embeddings().weight.device
+            check_deterministic(policy, base, device, type(base).__name__)
+        finally:
+            for m, mode in modes:
+                m.training = mode
+        return changed
+
+    def step(
+        self, model, sequences: Sequence[StepSequence], *, training: bool = True, metrics=None,
+        dense_loss: Callable | None = None, batches: Sequence[dict] | None = None,
+    ) -> StepWalk:  # fmt: skip
+        """The walk of one step's ``sequences`` on ``model``, as a context manager (:class:`StepWalk`); on a
+        normal exit the step's ``tree/*`` metrics are appended to ``metrics`` (a ``defaultdict(list)``, e.g.
+        the trainer's ``self._metrics["train"]``; None: not logged). ``dense_loss(model, inputs)`` and the
+        step's micro-batches ``batches``: what ``tree_check_gradients`` compares the step against, at the
+        first gradient step."""
+        check = None
+        if training and self.check_gradients and dense_loss is not None:
+            check = lambda: GradientCheck(dense_loss, model, batches, self.check_tolerance)
+            self.check_gradients = False  # (once)
+        return StepWalk(self, model, sequences, training, metrics, check)
+
+    def micro_batch_done(self, model) -> None:
+        """Call at the end of each training micro-batch (``compute_loss``): under DDP, after the step's last
+        one, the step's gradients are averaged over ranks (once; DeepSpeed flushes in the trainer's
+        ``accelerator.backward``, FSDP2 reduced in the walk)."""
+        self.flow.after_micro_batch(model)
+
+    def take_oom_retries(self) -> int:
+        """Walks retried after running out of memory, over every executor, since the last call."""
+        return sum(e.take_oom_retries() for e in self.executors.values())
+
+    def needs_idle_walks(self, model) -> bool:
+        return self.flow.needs_idle_walks(self.accelerator.unwrap_model(model))
+
+
+class StepWalk(AbstractContextManager):
+    """The passes over one step's trie (built from the sequences at construction; None when there are none,
+    and then each pass is an idle walk where the other ranks need one). ``results``: the
+    :class:`SequenceResults` of the last :meth:`backward` or :meth:`score`."""
+
+    def __init__(self, walker: StepWalker, model, sequences, training: bool, metrics, check):
+        self.walker, self.model, self.training, self.metrics = walker, model, training, metrics
+        self._check = check() if check is not None else None  # (the dense pass, before the walk's time)
+        self._started = time.perf_counter()
+        self.sequences = list(sequences)
+        for k, s in enumerate(self.sequences):
+            if len(s.tokens) < 2:
+                raise ValueError(f"sequence {k} has {len(s.tokens)} token(s); the walk needs two or more.")
+        self.trie = PrefixTrie.from_sequences([s.tokens for s in self.sequences]) if self.sequences else None
+        self.score_from = [s.score_from for s in self.sequences]
+        self.results = SequenceResults(len(self.sequences))
+        self.router_grad = None
+        self.peak_memory: int | None = None
+        self._calls = None
+
+    @property
+    def executor(self) -> TreeExecutor:
+        return self.walker.executor(self.model)
+
+    def __enter__(self) -> StepWalk:
+        if self.trie is not None:
+            calls = self.executor.calls
+            self._calls = (calls.forward, calls.backward, calls.tokens)
+        return self
+
+    def __exit__(self, kind, *exc):
+        if kind is None and self._check is not None and self.metrics is not None:
+            self.metrics["tree/check_error"].append(self._check.finish())
+        if kind is None and self.trie is not None and self.metrics is not None:
+            self._log(self.metrics)
+        return False
+
+    # ------------------------------------------------------------------ passes
+    def logprobs(self, temperature: float = 1.0, entropies: bool = False):
+        """A no-gradient pass: per sequence its log-probs from ``score_from`` on (and entropies), as
+        :meth:`TreeExecutor.logprobs` returns them (empty lists on an empty step)."""
+        if self.trie is None:
+            self._idle()
+            return ([], []) if entropies else []
+        with torch.no_grad(), self.walker.accelerator.autocast():
+            out = self.executor.logprobs(
+                self.trie, temperature, entropies=entropies, score_from=self.score_from
+            )
+        self._measured()
+        return out
+
+    def router_loss(self, coef: float, num_batches: int) -> tuple[list, list[float]]:
+        """MoE models: each micro-batch's load-balancing loss over its sequences (TRL's, from a no-gradient
+        count of the router's choices, :mod:`trl_dta.train.load_balancing`) and its value times ``coef``; the
+        gradient of ``coef`` times their sum is added to :meth:`backward`'s. Micro-batches with no sequence
+        get None and 0.0."""
+        auxes, terms = [None] * num_batches, [0.0] * num_batches
+        if self.trie is None:
+            self._idle()
+            return auxes, terms
+        with self.walker.accelerator.autocast():
+            self.router_grad = step_router_grad(self.executor, self.trie, self.sequences, coef, auxes, terms)
+        self._measured()
+        return auxes, terms
+
+    def backward(self, loss_fn: LossFn, temperature: float = 1.0, entropies: bool = True,
+                 entropy_grad: bool = True) -> None:  # fmt: skip
+        """The gradient pass: ``.grad`` of the model's trainable parameters gets the gradient of the sum of
+        ``loss_fn(k, logps_k, entropies_k)`` over the sequences (plus :meth:`router_loss`'s), exactly; each
+        sequence's values are recorded in :attr:`results`. ``entropy_grad=False``: the loss reads the
+        entropies as values only (less memory)."""
+        flow = self.walker.flow
+        if self.trie is None:
+            if self.walker.needs_idle_walks(self.model):
+                with flow.gradient_walk(self.model), self.walker.accelerator.autocast():
+                    self.executor.backward(_idle_trie(), lambda i, logps, ents: logps.sum() * 0.0)
+            return
+        with flow.gradient_walk(self.model), self.walker.accelerator.autocast():
+            self.executor.backward(
+                self.trie, self._recorded(loss_fn), temperature, entropies=entropies,
+                router_grad=self.router_grad, score_from=self.score_from, entropy_grad=entropy_grad,
+            )  # fmt: skip
+        self._measured()
+
+    def score(self, loss_fn: LossFn, temperature: float = 1.0, entropies: bool = True) -> None:
+        """Evaluation's counterpart of :meth:`backward`: each sequence's values and loss, no gradient."""
+        out = self.logprobs(temperature, entropies=entropies)
+        lps, ents = out if entropies else (out, [None] * len(out))
+        record = self._recorded(loss_fn)
+        for k, (lp, ent) in enumerate(zip(lps, ents, strict=True)):
+            record(k, lp, ent)
+
+    # ------------------------------------------------------------------ helpers
+    def _recorded(self, loss_fn: LossFn) -> LossFn:
+        def on_sequence(k, logps, entropies):
+            loss = loss_fn(k, logps, entropies)
+            self.results.record(k, logps, entropies, loss)
+            return loss
+
+        return on_sequence
+
+    def _idle(self) -> None:
+        """A no-gradient idle walk, where the other ranks' walks need this rank's (collectives)."""
+        if self.walker.needs_idle_walks(self.model):
+            with self.walker.accelerator.autocast():
+                self.executor.logprobs(_idle_trie())
+
+    def _measured(self) -> None:
+        peak = self.executor.peak_memory
+        if peak is not None:
+            self.peak_memory = max(peak, self.peak_memory or 0)
+
+    def _log(self, metrics) -> None:
+        """The step's ``tree/*`` metrics (docs/options.md, "Metrics")."""
+        trie, executor = self.trie, self.executor
+        metrics["tree/tokens"].append(float(trie.num_tokens))
+        metrics["tree/unique_tokens"].append(float(trie.num_unique_tokens))
+        metrics["tree/dedup_ratio"].append(trie.dedup_ratio)
+        dense, walk = executor.flops(trie, self.score_from)
+        metrics["tree/flop_ratio"].append(dense / walk)
+        forward, backward = executor.calls.forward - self._calls[0], executor.calls.backward - self._calls[1]
+        metrics["tree/calls"].append(float(forward + backward))
+        metrics["tree/tokens_per_call"].append((executor.calls.tokens - self._calls[2]) / max(forward, 1))
+        metrics["tree/time"].append(time.perf_counter() - self._started)
+        for name, value in executor.budgets.metrics().items():  # the budgets in use (derived or given)
+            metrics[f"tree/{name}"].append(float(value))
+        metrics["tree/oom_retries"].append(float(self.walker.take_oom_retries()))
+        if self.peak_memory is not None:
+            metrics["tree/peak_memory"].append(float(self.peak_memory))
+
+
+def check_arguments(args, model=None, peft_config=None) -> None:
+    """What the walk refuses in a trainer's arguments (call it early: before TRL prepares the datasets):
+    fp16 gradient scaling, Liger kernels, PEFT prompt learning (``model`` or ``peft_config``)."""
+    if getattr(args, "fp16", False):
+        raise ValueError(
+            "fp16 mixed precision (gradient scaling) is not supported by the tree walk; use bf16."
+        )
+    if getattr(args, "use_liger_kernel", False):
+        raise ValueError(
+            "use_liger_kernel replaces the model's layers and loss kernels; it is not supported by the tree "
+            "walk."
+        )
+    for thing in (model, peft_config):
+        check_trainable(thing)
+
+
+def _idle_trie() -> PrefixTrie:
+    """What a rank with nothing to walk walks, with a zero loss: two tokens."""
+    return PrefixTrie.from_sequences([[0, 1]])
+
+
+def _option(args, name: str):
+    from .tree_args import TreeArguments
+
+    return getattr(args, name, getattr(TreeArguments, name))
