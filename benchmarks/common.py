@@ -185,11 +185,13 @@ class PeakMemory:
     def __enter__(self) -> Self:
         import torch
 
+        from trl_dta.walk import peak as walk_peak  # (the walks' own resets of CUDA's peak accounted)
+
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
+            walk_peak.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
             return self
         _trim_heap()
@@ -205,9 +207,11 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         import torch
 
+        from trl_dta.walk import peak as walk_peak
+
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            self.peak = walk_peak.max_memory_allocated(self.device) - self._base
         elif self._base is not None:
             hwm = _proc_status_kib("VmHWM")
             self.peak = None if hwm is None else max(hwm - self._base, 0) * 1024

@@ -34,6 +34,7 @@ from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
 from trl_dta.compare import relative_error  # noqa: E402
+from trl_dta.walk import peak as walk_peak  # noqa: E402
 from trl_dta.walk.costs import CallCost  # noqa: E402
 from trl_dta.walk.plan import Push  # noqa: E402
 
@@ -176,7 +177,7 @@ def main() -> None:
         for _ in range(args.repeats + 1):  # the first: compilation (flex), allocator warm-up
             model.zero_grad(set_to_none=True)
             if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats()
+                walk_peak.reset_peak_memory_stats()
             before = (executor.calls.forward, executor.calls.backward)
             sync(device)
             start = time.perf_counter()
@@ -192,7 +193,7 @@ def main() -> None:
                          "backward": executor.calls.backward - before[1]},
                "first_walk_s": walk_times[0], "walk_s": statistics.median(walk_times[1:]),
                "dense_s": statistics.median(dense), "recompute_share": recomputed / trie.num_unique_tokens,
-               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
+               "peak_gib": walk_peak.max_memory_allocated() / 2**30 if device.type == "cuda"
                else None}  # fmt: skip
         row["speedup"] = row["dense_s"] / row["walk_s"]
         report["kernels"][attn] = row

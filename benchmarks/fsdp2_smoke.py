@@ -25,6 +25,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.compare import relative_error
+from trl_dta.walk import peak as walk_peak
 
 COUNTS = {"all_gather": 0, "reduce_scatter": 0}
 
@@ -100,10 +101,10 @@ def main() -> int:
         COUNTS[k] = 0
     if device.type == "cuda":
         torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        walk_peak.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     executor.backward(trie, loss_fn)
-    peak = torch.cuda.max_memory_allocated() - before if device.type == "cuda" else None
+    peak = walk_peak.max_memory_allocated() - before if device.type == "cuda" else None
     grads = {k: p.grad.full_tensor() for k, p in model.named_parameters()}
     error = relative_error(grads, {k: ref[k] for k in grads}, tiny=1e-6)
     report = {

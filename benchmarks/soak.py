@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from trl_dta.testing.oom import InjectOOM  # noqa: E402
+from trl_dta.walk import peak as walk_peak  # noqa: E402
 
 
 def status_mib(key: str) -> float | None:
@@ -76,9 +77,9 @@ class Sampler:
                    "retries": retries}  # fmt: skip
             if self.device.type == "cuda":
                 row["cuda_allocated_mib"] = torch.cuda.memory_allocated(self.device) / 2**20
-                row["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated(self.device) / 2**20
+                row["cuda_max_allocated_mib"] = walk_peak.max_memory_allocated(self.device) / 2**20
                 row["cuda_reserved_mib"] = torch.cuda.memory_reserved(self.device) / 2**20
-                torch.cuda.reset_peak_memory_stats(self.device)
+                walk_peak.reset_peak_memory_stats(self.device)
             reset_peak()
             self.samples.append(row)
             print(" ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),

@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
+from trl_dta.walk import peak as peak_stats  # noqa: E402
 from trl_dta.walk.budgets import HEAD_ROWS, activation_bytes  # noqa: E402
 
 QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
@@ -156,13 +157,13 @@ def measured(args) -> dict:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+            peak_stats.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             run()
         if cuda:
             torch.cuda.synchronize()
-            return (torch.cuda.max_memory_allocated() - base) / 1e9
+            return (peak_stats.max_memory_allocated() - base) / 1e9
         return None
 
     def dense():

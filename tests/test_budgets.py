@@ -351,3 +351,27 @@ def test_flex_attention_is_refused_on_cpu():
 
     with pytest.raises(UnsupportedModelError, match="flex_attention.*CUDA only"):
         TreeExecutor(make_model("qwen3", "flex_attention", dtype=torch.float32))
+
+
+def test_cuda_peak_read_across_walks_keeps_what_their_resets_cleared(monkeypatch):
+    """A walk resets CUDA's peak statistics at its start (its own tree/peak_memory); peak.max_memory_allocated
+    still gives the peak since the last outside reset. CUDA's counters are simulated (no GPU here)."""
+    from trl_dta.walk import peak
+
+    stats = {"peak": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: stats.update(peak=0))
+    monkeypatch.setattr(peak, "_CARRIED", {})
+    cuda = torch.device("cuda", 0)
+    peak.reset_peak_memory_stats(cuda)
+    stats["peak"] = 100  # e.g. generation, before the walk
+    with peak.PeakMemory(cuda) as walk:
+        stats["peak"] = 30  # the walk's own peak
+        with peak.PeakMemory(cuda):  # a nested walk does not reset
+            stats["peak"] = 40
+    assert walk.peak == 40
+    assert peak.max_memory_allocated(cuda) == 100
+    stats["peak"] = 120  # after the walk: a new high
+    assert peak.max_memory_allocated(cuda) == 120
+    peak.reset_peak_memory_stats(cuda)
+    assert peak.max_memory_allocated(cuda) == 0

@@ -3,8 +3,11 @@ the trainers log as ``tree/peak_memory`` (bytes).
 
 * CUDA: ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats`` at the walk's start:
   the most bytes PyTorch held allocated on the device at once during the walk, weights, gradients and
-  optimizer states included. The reset is the device's: code that reads the peak statistics across a walk
-  sees the peak since that walk's start (of nested walks, only the outermost resets). No host sync.
+  optimizer states included (of nested walks, only the outermost resets). No host sync. The reset is the
+  device's, as a training loop's per-step memory logging resets it: ``torch.cuda.max_memory_allocated`` read
+  across a walk gives the peak since that walk's start. :func:`max_memory_allocated` here gives the peak
+  since the last :func:`reset_peak_memory_stats` (or the process's start), the walks' resets accounted: what
+  code that measures more than a walk (the benchmarks) reads.
 * CPU (Linux): the process's resident set size (``/proc/self/statm``), sampled where the walk's memory model
   (:mod:`trl_dta.walk.budgets`) puts its peaks: after each step, and before each backward call (the stack's
   graphs plus the running call's). A lower bound of the true peak: buffers that live only inside one call
@@ -22,6 +25,24 @@ import torch
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _DEPTH = {"cuda": 0}  # walks running now, per device kind (nested: a loss_fn that walks another trie)
+_CARRIED: dict[int, int] = {}  # per CUDA device: the peak walks' resets cleared since the last outside reset
+
+
+def _index(device) -> int:
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def max_memory_allocated(device="cuda") -> int:
+    """CUDA's peak allocated bytes on ``device`` since the last :func:`reset_peak_memory_stats`, as
+    ``torch.cuda.max_memory_allocated`` would read had no walk reset the device's statistics."""
+    return max(_CARRIED.get(_index(device), 0), torch.cuda.max_memory_allocated(device))
+
+
+def reset_peak_memory_stats(device="cuda") -> None:
+    """``torch.cuda.reset_peak_memory_stats``, for :func:`max_memory_allocated` too."""
+    torch.cuda.reset_peak_memory_stats(device)
+    _CARRIED[_index(device)] = 0
 
 
 class PeakMemory:
@@ -37,6 +58,8 @@ class PeakMemory:
         if self.device.type == "cuda":
             _DEPTH["cuda"] += 1
             if _DEPTH["cuda"] == 1:
+                index = _index(self.device)
+                _CARRIED[index] = max(_CARRIED.get(index, 0), torch.cuda.max_memory_allocated(self.device))
                 torch.cuda.reset_peak_memory_stats(self.device)
         elif self.device.type == "cpu":
             try:

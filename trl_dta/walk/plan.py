@@ -57,6 +57,7 @@ from .costs import CallCost, needed_pairs
 # where a call's fixed cost overlaps compute (a GPU): the launch prices the plan may be built with, highest
 # first (1: the summed cost; 0: merge only where it costs no compute), see _balanced
 LAUNCH_PRICES = (4.0, 2.0, 1.0, *(2.0**-k for k in range(1, 11)), 0.0)
+MIN_GAIN = 0.01  # a plan at another price than 1 must be this much faster by the cost model to be kept
 
 
 @dataclass(frozen=True)
@@ -268,10 +269,10 @@ def _balanced(build, costs: CallCost, packed: bool) -> list[Step]:
     (:meth:`CallCost.walk`), which the summed price of each merge decision does not see: merging a call
     saves a launch even where launches are hidden behind compute, and a dense mask then computes attention
     pairs the tree does not need. So the plan is built at launch prices from :data:`LAUNCH_PRICES` (merging
-    less as the price falls: more launches, less compute) and the fastest walk is kept: the summed price's,
-    the two extremes, and a bisection for where launches and compute cross (ties keep the higher price:
-    fewer calls). Compute-bound even at the lowest price: the least compute wins; launch-bound even at the
-    highest: the fewest launches."""
+    less as the price falls: more launches, less compute) and the fastest walk is kept, of the summed
+    price's, the two extremes', and those of a bisection for where launches and compute cross (ties keep the
+    higher price: fewer calls). Another plan replaces the summed price's only when it is at least
+    ``MIN_GAIN`` faster."""
     seen: dict[int, tuple[float, float, list[Step]]] = {}  # price index -> (launches - compute, walk s, plan)
 
     def at(k: int):
@@ -281,13 +282,17 @@ def _balanced(build, costs: CallCost, packed: bool) -> list[Step]:
             seen[k] = (calls * costs.fixed - compute, costs.walk(calls, compute), steps)
         return seen[k]
 
-    at(LAUNCH_PRICES.index(1.0))  # (the summed price's plan is a candidate: never slower than it)
+    summed = LAUNCH_PRICES.index(1.0)
+    at(summed)  # (the summed price's plan is a candidate: never slower than it)
     lo, hi = 0, len(LAUNCH_PRICES) - 1  # the highest price first
     if at(lo)[0] < 0 <= at(hi)[0]:  # bisect for the last compute-bound price (launches grow as it falls)
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (mid, hi) if at(mid)[0] < 0 else (lo, mid)
-    return min(sorted(seen.items()), key=lambda item: item[1][1])[1][2]
+    best = min(seen, key=lambda k: (seen[k][1], k))
+    if seen[best][1] > (1 - MIN_GAIN) * seen[summed][1]:  # (within the model's precision: keep it)
+        best = summed
+    return seen[best][2]
 
 
 def _build(trie, block_size, batch_tokens, packed, subtree_tokens, costs) -> list[Step]:
