@@ -27,7 +27,8 @@ Features:
 - Task: `--domain` retail, airline or mock (telecom is refused at startup: its user needs a simulated phone);
   `--write_only` keeps the tasks whose gold answer writes to the database; `--max_tasks` draws a subset.
 - User: the offline scripted user, or an LLM behind an OpenAI-compatible endpoint (`--user_base_url`,
-  `--user_model`, `--user_api_key`); `--max_user_turns`.
+  `--user_model`, `--user_api_key`); `--max_user_turns`; `--tool_latency` seconds of wait per tool call and
+  user turn (a remote API's; 0 by default).
 - Reward: τ²'s reward plus `--shaping`; `--reward_funcs` adds named rewards (`recipe_utils/rewards.py`).
 - Evaluation: `--greedy_eval` measures held-out success (greedy rollouts, τ²'s check alone) before training,
   after the warm start and during RL (`recipe_utils/evaluation.py`); `--eval_strategy steps|epoch` runs TRL's
@@ -112,6 +113,13 @@ class ScriptArguments:
         default=0.1,
         metadata={"help": "Weight of the dense shaping term added to τ²'s 0/1 reward (0 = off)."},
     )
+    tool_latency: float = field(
+        default=0.0,
+        metadata={
+            "help": "Seconds each tool call and each user turn waits, as a remote API or a human would "
+            "(Tau2Environment's tool_latency; 0 = none). Changes only the wall time."
+        },
+    )
     reward_funcs: list[str] | None = field(
         default=None,
         metadata={
@@ -187,6 +195,8 @@ class ScriptArguments:
             raise ValueError("--synthetic_tasks adds tasks to τ²'s mock domain: use it with --domain mock.")
         if bool(self.user_base_url) != bool(self.user_model):
             raise ValueError("An LLM user needs both --user_base_url and --user_model.")
+        if not 0 <= self.tool_latency < float("inf"):
+            raise ValueError(f"--tool_latency is seconds >= 0, got {self.tool_latency}.")
 
 
 def make_parser() -> TrlParser:
@@ -282,6 +292,7 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
         user=user,
         max_user_turns=script_args.max_user_turns,
         shaping=script_args.shaping,
+        tool_latency=script_args.tool_latency,
     )
 
     # ---- warm start and held-out success before RL (both need the model in hand: load it as TRL would)

@@ -10,6 +10,7 @@ import json
 import pickle
 import subprocess
 import sys
+import time
 from collections import Counter
 
 import pytest
@@ -301,6 +302,42 @@ def test_tool_errors_return_strings_and_never_raise():
     assert env.get_reward() == 0.0 and env.reward_info["termination"] == "too_many_errors"
 
 
+def test_tool_latency_sleeps_per_call_and_user_turn_and_changes_nothing_else(monkeypatch):
+    """`tool_latency` sleeps once per tool call (failing ones too) and per message to the user, never after
+    the episode has ended; the results, the reward and its parts are those of an episode without it."""
+    import trl_dta.envs.tau2.environment as environment_module
+
+    def episode(latency):
+        slept = []
+        monkeypatch.setattr(environment_module.time, "sleep", slept.append)
+        env = Tau2Environment(domain="retail", tool_latency=latency)
+        env.reset(**_row(EXCHANGE_TASK))
+        crit = _task(EXCHANGE_TASK).evaluation_criteria
+        out = [getattr(env, a.name)(**a.arguments) for a in crit.actions]
+        out.append(env.get_order_details(order_id="#W0000000"))  # a failing call waits too
+        out.append(env.send_message_to_user("Done: " + ", ".join(crit.communicate_info)))
+        out.append(env.send_message_to_user("###STOP###"))  # ends the episode
+        out.append(env.get_order_details(order_id="#W2378156"))  # closed: no call, no wait
+        return out, env.get_reward(), env.reward_info, slept, len(crit.actions)
+
+    plain, reward, info, slept, gold = episode(0)
+    assert slept == []
+    delayed, reward_delayed, info_delayed, slept_delayed, _ = episode(0.25)
+    assert (delayed, reward_delayed, info_delayed) == (plain, reward, info)
+    assert info["task_reward"] == 1.0  # the gold episode
+    assert slept_delayed == [0.25] * (gold + 3)  # gold calls, a failing call, two messages; not after the end
+    monkeypatch.undo()
+    env = Tau2Environment(domain="mock", tool_latency=0.05)  # the real sleep
+    env.reset(task_id=next(iter(get_domain("mock").tasks)))
+    started = time.perf_counter()
+    env.send_message_to_user("hello")
+    assert time.perf_counter() - started >= 0.05
+    for bad, error in ((-0.1, ValueError), (float("inf"), ValueError), (float("nan"), ValueError),
+                       ("0.2", TypeError), (True, TypeError)):  # fmt: skip
+        with pytest.raises(error, match="tool_latency"):
+            Tau2Environment(domain="mock", tool_latency=bad)
+
+
 def test_domain_classes_pickle_by_reference():
     """The per-domain class is made by a cached factory, not put in a module's globals: pickle finds it by
     name through the module's __getattr__, also in a fresh process where it was never made."""
@@ -485,6 +522,31 @@ def test_synthetic_mock_tasks_are_scored_by_tau2():
         load_tau2_dataset("mock", task_ids=["no such task"])
     with pytest.raises(ValueError, match="at most"):
         add_mock_create_tasks(10_000, 0)
+
+
+def test_synthetic_mock_environment_factory_works_in_a_fresh_process():
+    """A pickled `partial(synthetic_mock_environment, ...)` (what TRL's async rollout worker gets in its
+    spawned process) has the synthetic tasks there; a plain mock environment there does not."""
+    from trl_dta.envs.tau2.synthetic import add_mock_create_tasks, synthetic_mock_environment
+
+    train, test = add_mock_create_tasks(4, 2, seed=5)
+    factory = functools.partial(synthetic_mock_environment, 4, 2, 5, shaping=0.0, tool_latency=0.01)
+    code = (
+        "import pickle, sys\n"
+        "factory, plain, task_id = pickle.loads(sys.stdin.buffer.read())\n"
+        "try:\n"
+        "    plain().reset(task_id=task_id)\n"
+        "except ValueError as e:\n"
+        "    print('plain:', e)\n"
+        "env = factory()\n"
+        "env.reset(task_id=task_id)\n"
+        "print(env.create_task(user_id='user_1', title=task_id.split(':', 1)[1])[:1], env.get_reward())\n"
+    )
+    payload = pickle.dumps((factory, functools.partial(Tau2Environment, "mock"), test[0]))
+    out = subprocess.run([sys.executable, "-c", code], input=payload, capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    lines = out.stdout.decode().splitlines()
+    assert lines[0].startswith("plain: Unknown τ² mock task id") and lines[-1] == "{ 1.0"
 
 
 @pytest.mark.parametrize("domain, task_id", [("mock", None), ("retail", EXCHANGE_TASK)])

@@ -14,8 +14,10 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import math
 import pkgutil
 import re
+import time
 from dataclasses import dataclass
 
 from ...walk.errors import MEMORY_ERRORS
@@ -113,6 +115,12 @@ class Tau2Environment:
             τ²'s reward exactly.
         max_errors: As τ²'s orchestrator (default 10): the episode ends abnormally (reward 0) when this many
             tool calls have failed.
+        tool_latency: Seconds slept by every tool call and every message to the user (the user's turn), as a
+            remote API or a human would take (default 0: no wait). It changes no result, only the wall time;
+            it is how a benchmark gives the rollouts waits that an asynchronous trainer can overlap with
+            training (benchmarks/async_overlap.py). The sleep blocks the calling thread: TRL's
+            ``GRPOTrainer`` (and ``TreePPOTrainer``) run the tools of a step one after another, TRL's async
+            rollout worker runs them in a thread pool.
 
     After :meth:`get_reward`, ``env.reward_info`` holds the reward's parts (db_match, communicate, ...).
     """
@@ -131,6 +139,7 @@ class Tau2Environment:
         shaping: float = 0.1,
         *,
         max_errors: int = 10,
+        tool_latency: float = 0.0,
     ):
         if domain != self._tau2_domain:
             raise ValueError(
@@ -141,6 +150,11 @@ class Tau2Environment:
         self._max_user_turns = max_user_turns
         self._shaping = float(shaping)
         self._max_errors = max_errors
+        if isinstance(tool_latency, bool) or not isinstance(tool_latency, int | float):
+            raise TypeError(f"tool_latency must be a number of seconds, got {tool_latency!r}.")
+        if not math.isfinite(tool_latency) or tool_latency < 0:
+            raise ValueError(f"tool_latency must be a finite number of seconds >= 0, got {tool_latency!r}.")
+        self._tool_latency = float(tool_latency)
         self._task = None
         self.reward_info: dict = {}
 
@@ -213,6 +227,11 @@ class Tau2Environment:
         self._termination = reason
         self._failure = failure
 
+    def _wait(self) -> None:
+        """The simulated round trip of a tool call or a user turn (``tool_latency`` seconds)."""
+        if self._tool_latency:
+            time.sleep(self._tool_latency)
+
     def _closed(self) -> str | None:
         if self._task is None:
             return "Error: the environment has not been reset."
@@ -224,6 +243,7 @@ class Tau2Environment:
         closed = self._closed()
         if closed:
             return closed
+        self._wait()
         try:
             if args:  # TRL passes keyword arguments only; bind positional ones to their names
                 sig = inspect.signature(getattr(type(self), name))
@@ -274,6 +294,7 @@ class Tau2Environment:
         closed = self._closed()
         if closed:
             return closed
+        self._wait()
         try:  # the signature is declared below (for TRL's schema); bind by hand so bad arguments never raise
             message = _MESSAGE_SIGNATURE.bind(*args, **kwargs).arguments["message"]
         except TypeError as e:

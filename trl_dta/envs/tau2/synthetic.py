@@ -10,6 +10,9 @@ coincide, so held-out tasks ask for titles the policy never saw.
 
 The tasks are τ² ``Task`` objects scored by τ²'s own evaluation semantics (:mod:`.reward`) like the shipped
 ones; they live in this process only (a worker process that loads the mock domain anew does not have them).
+A process that builds its environments from a pickled factory (TRL's asynchronous rollout worker, a spawned
+process) gets them with :func:`synthetic_mock_environment`: ``functools.partial(synthetic_mock_environment,
+num_train, num_test, seed, ...)`` adds the same tasks in whichever process calls it.
 """
 
 from __future__ import annotations
@@ -61,3 +64,14 @@ def add_mock_create_tasks(num_train: int, num_test: int, seed: int = 0) -> tuple
         tasks.setdefault(PREFIX + title, _task(title))
     ids = [PREFIX + t for t in titles]
     return ids[:num_train], ids[num_train:]
+
+
+def synthetic_mock_environment(num_train: int, num_test: int, seed: int = 0, **environment_kwargs):
+    """A mock-domain :class:`~trl_dta.envs.Tau2Environment` (``environment_kwargs``: its arguments) in a
+    process that has the synthetic tasks of ``add_mock_create_tasks(num_train, num_test, seed)``: they are
+    added first (a no-op when already there). Use it through ``functools.partial`` as an
+    ``environment_factory`` that works in a spawned process too."""
+    from .environment import Tau2Environment
+
+    add_mock_create_tasks(num_train, num_test, seed)
+    return Tau2Environment("mock", **environment_kwargs)
