@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .partition import LexicographicPartitionSampler, lexicographic_partition
+    from .train.ppo_async_config import AsyncTreePPOConfig
+    from .train.ppo_async_trainer import AsyncTreePPOTrainer
     from .train.ppo_config import TreePPOConfig
     from .train.ppo_trainer import TreePPOTrainer
     from .train.sft_config import TreeSFTConfig
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "AsyncTreePPOConfig": "trl_dta.train.ppo_async_config",
+    "AsyncTreePPOTrainer": "trl_dta.train.ppo_async_trainer",
     "LexicographicPartitionSampler": "trl_dta.partition",
     "PrefixTrie": "trl_dta.trie",
     "TreeExecutor": "trl_dta.walk.executor",
@@ -41,6 +45,8 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AsyncTreePPOConfig",
+    "AsyncTreePPOTrainer",
     "LexicographicPartitionSampler",
     "PrefixTrie",
     "TreeExecutor",

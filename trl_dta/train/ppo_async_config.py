@@ -1,0 +1,93 @@
+"""AsyncTreePPOConfig: TRL's AsyncGRPOConfig plus the tree walk's options (shared ones: ``tree_args.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl.experimental.async_grpo import AsyncGRPOConfig
+
+from ..walk.checks import SUPPORTED_ATTENTION
+from .tree_args import TreeArguments
+
+
+@dataclass
+class AsyncTreePPOConfig(TreeArguments, AsyncGRPOConfig):
+    """Configuration for :class:`~trl_dta.AsyncTreePPOTrainer`: every ``AsyncGRPOConfig`` field (TRL's
+    ``trl.experimental.async_grpo``: the vLLM server, the rollout pipeline, ``max_staleness``,
+    ``weight_sync_steps``, ``epsilon``/``epsilon_high``, ...), plus:
+
+    Args:
+        tree_memory_budget, tree_block_size, tree_batch_tokens, tree_subtree_tokens, tree_oom_retries,
+        tree_check_gradients, tree_check_tolerance:
+            The walk's memory and token budgets, its out-of-memory retries and its gradient check, shared
+            with :class:`~trl_dta.TreePPOConfig`: :class:`~trl_dta.train.tree_args.TreeArguments` documents
+            them. The budgets bound the memory of a step's walk (one root-to-leaf path at a time); they
+            replace TRL's ``token_budget``. ``tree_check_gradients`` compares the first step with the dense
+            loss of :func:`~trl_dta.train.ppo_async_loss.dense_loss` (a plain forward per sample).
+        tree_attn_implementation (`str`, defaults to `"sdpa"`):
+            The attention the policy runs under. TRL's trainer loads the model with its FA3 tree-packing
+            kernel (fetched from a kernel hub at the first forward, CUDA only); this trainer switches the
+            loaded model to this implementation, one of those the walk supports (``"eager"``, ``"sdpa"``,
+            ``"flex_attention"``, ``"flash_attention_2"``, ``"flash_attention_3"``). Give it here, not as
+            ``attn_implementation`` in ``model_init_kwargs`` (TRL passes its own).
+        disable_dropout (`bool`, defaults to `True`):
+            Zero every dropout probability of the policy (TRL's async trainer keeps the model's): a shared
+            prefix shares one dropout mask, so the walk equals the dense loss only without randomness. With
+            `False`, a model that still has randomness in train mode is refused by the walk.
+
+    Fields of ``AsyncGRPOConfig`` that behave differently:
+
+    * ``per_device_train_batch_size``: the number of rollout samples per rank in each micro-batch (TRL's
+      fixed-count batching; a micro-batch is split across ranks by the contiguous lexicographic partition).
+      No sample is ever dropped for its length; an optimizer step is ``gradient_accumulation_steps`` such
+      micro-batches, each rank's share walked as one trie.
+    * ``token_budget``: not used (TRL's budgeted batching drops a sample longer than the budget, the walk
+      never does). Leave it `None`; a positive value is refused.
+    * ``router_aux_loss_coef``: MoE load balancing is not supported (TRL computes it on its packed rows); a
+      Mixture-of-Experts model needs ``router_aux_loss_coef=0.0``.
+
+    Defaults that differ from ``AsyncGRPOConfig``:
+
+    * ``gradient_checkpointing=False``: the walk bounds activation memory itself; if turned on, the walk
+      switches it off for its own forwards and restores it after.
+    """
+
+    tree_attn_implementation: str = field(
+        default="sdpa",
+        metadata={"help": f"Attention of the policy for the walk, one of {SUPPORTED_ATTENTION}."},
+    )
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "Disable dropout (required for exactness)."}
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Not needed by the tree walk; if on, it is suspended during the walk."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()  # (TreeArguments checks the shared options)
+        check_async_arguments(self)
+
+
+def check_async_arguments(args) -> None:
+    """What :class:`~trl_dta.AsyncTreePPOTrainer` refuses in a config (an ``AsyncTreePPOConfig`` at its
+    construction, a plain ``AsyncGRPOConfig`` at the trainer's): an attention the walk does not support,
+    ``attn_implementation`` in ``model_init_kwargs``, a positive ``token_budget``."""
+    attention = getattr(args, "tree_attn_implementation", "sdpa")
+    if attention not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"tree_attn_implementation={attention!r} is not supported by the tree walk; use one of "
+            f"{SUPPORTED_ATTENTION}."
+        )
+    if isinstance(args.model_init_kwargs, dict) and "attn_implementation" in args.model_init_kwargs:
+        raise ValueError(
+            "AsyncTreePPOTrainer: give the attention as tree_attn_implementation=... (AsyncTreePPOConfig), "
+            "not as attn_implementation in model_init_kwargs (TRL's trainer passes its own when loading)."
+        )
+    if args.token_budget is not None and args.token_budget > 0:
+        raise ValueError(
+            f"token_budget={args.token_budget}: AsyncTreePPOTrainer does not use TRL's token-budgeted "
+            "batching (it drops samples longer than the budget); micro-batches hold "
+            "per_device_train_batch_size samples per rank and the walk's tree_* budgets bound memory. Leave "
+            "token_budget unset."
+        )

@@ -1,0 +1,297 @@
+"""AsyncTreePPOTrainer: TRL's asynchronous GRPO (``trl.experimental.async_grpo.AsyncGRPOTrainer``) with each
+optimizer step's rollouts walked as one prefix trie instead of TRL's whole-row tree packing.
+
+Everything around the loss stays TRL's: the rollout worker that keeps a vLLM server busy (or a custom
+``rollout_worker=``, TRL's extension point), the rollout queue and its staleness bound (``max_staleness``:
+``RolloutQueueDataset`` drops older samples), weight sync after each step (NCCL full weights, GPU only, or a
+LoRA adapter loaded by path), the optimizer loop, checkpoints, and the metrics (ratio, kl, entropy, clip
+ratios, ``perf/*``, ``batch/*``, ``sample/*``). What changes:
+
+* **Model loading.** TRL loads the policy with its FA3 tree-attention kernel and patches a fused LM head onto
+  its forward. Both are TRL's ``__init__``'s own calls (no hook), so this trainer undoes them right after it:
+  the loaded model is switched to ``tree_attn_implementation`` (``set_attn_implementation``; the FA3 kernel
+  is fetched only at a forward, so none is ever fetched) and the fused-head forward, an instance attribute,
+  is removed (the walk runs the backbone and the LM head itself). Loading twice, or patching TRL's module,
+  would be the alternatives; this is the one that keeps TRL's loading (dtype, PEFT, pad tokens) as is.
+* **Micro-batches** (:mod:`trl_dta.train.ppo_async_data`): ``per_device_train_batch_size`` samples per
+  rank each, in queue order, none dropped for length (TRL's ``token_budget`` is refused). With several
+  processes (DDP), each micro-batch is split across ranks by the contiguous lexicographic partition
+  (:func:`~trl_dta.lexicographic_partition`) instead of TRL's greedy least-loaded rows; ranks with fewer
+  samples get zero-weight rows. TRL's normaliser (the micro-batch's trained tokens over all ranks, per
+  rank) and the walk's one gradient average per step make the gradient the single-process one.
+* **The step** (``compute_loss``): at the first micro-batch of an optimizer step, the samples of all its
+  micro-batches (``get_batch_samples`` keeps them) become one trie walked by
+  :class:`~trl_dta.train.step.StepWalker`; each sample's loss is
+  :class:`~trl_dta.train.ppo_async_loss.ClippedSurrogate`, its share of TRL's loss with its own behaviour
+  log-probs and its micro-batch's normaliser, so the accumulated gradient is TRL's loss's, exactly. Samples
+  of different policy versions share prefixes in the trie and keep their own importance weights. Each
+  ``compute_loss`` then logs TRL's metrics of its micro-batch from the walk's values and returns its loss
+  value (gradients are in ``.grad``).
+
+Tested: one process, and two DDP processes (gloo, CPU). FSDP2 goes through the walk's FSDP2 flow
+(:mod:`trl_dta.train.multi_process`) but is not tested with this trainer. Refused, with a clear error: a MoE
+load-balancing loss (TRL's is computed on its packed rows; set ``router_aux_loss_coef=0.0``),
+vision-language checkpoints, a positive ``token_budget``, fp16, Liger kernels, PEFT prompt learning, a
+model object instead of a path.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from math import nan
+
+import torch
+from torch.utils.data import DataLoader
+from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
+from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset, _EmptyIterableDataset
+from trl.trainer.utils import nanmax, nanmin
+
+from .ppo_async_config import AsyncTreePPOConfig, check_async_arguments
+from .ppo_async_data import SampleBatcher, SampleCollator
+from .ppo_async_loss import (
+    ClippedSurrogate,
+    dense_loss,
+    micro_batch_samples,
+    surrogate_sums,
+    tokens_per_rank,
+)
+from .step import StepSequence, StepWalker, check_arguments
+from .tree_args import PAPER
+
+
+class MicroBatchWalk:
+    """One micro-batch's share of a step's walk: its samples, their log-probs and entropies at their trained
+    tokens (detached) and the sum of their losses."""
+
+    def __init__(self, samples, logps, entropies, loss: float):
+        self.samples, self.logps, self.entropies, self.loss = samples, logps, entropies, loss
+
+
+class AsyncTreePPOTrainer(AsyncGRPOTrainer):
+    """TRL's ``AsyncGRPOTrainer`` (same arguments) training on one prefix trie of each optimizer step's
+    rollouts: shared prefixes are forwarded and backpropagated once, memory is bounded by one root-to-leaf
+    path (the ``tree_*`` budgets), no sample is dropped for its length, any attention the walk supports
+    runs (CPU too), and the gradients equal TRL's asynchronous loss computed densely on the same samples.
+
+    Example::
+
+        from trl_dta import AsyncTreePPOConfig, AsyncTreePPOTrainer
+
+        args = AsyncTreePPOConfig(output_dir="out", vllm_server_base_url="http://localhost:8000",
+                                  per_device_train_batch_size=8, gradient_accumulation_steps=4,
+                                  max_staleness=2)
+        trainer = AsyncTreePPOTrainer(model="Qwen/Qwen3-0.6B", reward_funcs=reward_fn, args=args,
+                                      train_dataset=dataset)
+        trainer.train()
+
+    Args: those of ``AsyncGRPOTrainer`` (``model`` is a model id or directory, as there; ``rollout_worker``
+    and ``weight_transfer`` are TRL's protocols). ``args`` should be an :class:`~trl_dta.AsyncTreePPOConfig`
+    (a plain ``AsyncGRPOConfig`` gets the tree options' defaults; ``None`` makes an ``AsyncTreePPOConfig``).
+    One process or several (DDP; see the module docstring).
+    """
+
+    _tag_names = ["trl", "async-grpo", "trl-dta", "tree-ppo"]
+    _name = "AsyncTreePPO"
+    _paper = PAPER
+
+    def __init__(self, model: str, reward_funcs=None, args=None, *rest, **kwargs):
+        if not isinstance(model, str):
+            raise TypeError(
+                f"AsyncTreePPOTrainer (like TRL's AsyncGRPOTrainer) loads the policy itself: pass a model id "
+                f"or directory, not a {type(model).__name__}."
+            )
+        if args is None:
+            args = AsyncTreePPOConfig(f"{model.rstrip('/').split('/')[-1]}-AsyncTreePPO")
+        check_async_arguments(args)  # (before TRL's set-up; a plain AsyncGRPOConfig too)
+        check_arguments(args, None, kwargs.get("peft_config"))
+        with _peak_flops_off_cuda():
+            super().__init__(model, reward_funcs, args, *rest, **kwargs)
+        if self.aux_loss_enabled:
+            raise ValueError(
+                "AsyncTreePPOTrainer does not support the MoE load-balancing loss (TRL computes it on its "
+                "packed rows, which the walk does not form); set router_aux_loss_coef=0.0."
+            )
+        if self._is_vlm:
+            raise ValueError(
+                "AsyncTreePPOTrainer trains text-only causal LMs; this checkpoint is vision-language."
+            )
+        self._use_walk_attention()
+        self._walker = StepWalker(self.args, self.accelerator, self.model)
+        if getattr(self.args, "disable_dropout", True):
+            self._walker.disable_randomness(self.model)
+        self._step_batches: list[dict] = []  # the current optimizer step's micro-batches (get_batch_samples)
+        self._tree_position = 0  # micro-batches of the current step served so far
+        self._tree_pending: dict[int, MicroBatchWalk] = {}
+
+    def _use_walk_attention(self) -> None:
+        """Undo TRL's model set-up for its packing: the FA3 tree attention and the fused-LM-head forward."""
+        module = self.accelerator.unwrap_model(self.model)
+        base = module.get_base_model() if hasattr(module, "get_base_model") else module
+        base.set_attn_implementation(getattr(self.args, "tree_attn_implementation", "sdpa"))
+        vars(base).pop("forward", None)  # (add_fused_lm_head's instance attribute: the class forward is back)
+
+    # ------------------------------------------------------------------ data: TRL's queue, no sample dropped
+    def get_train_dataloader(self) -> DataLoader:
+        num_processes = self.accelerator.num_processes
+        if self.accelerator.is_main_process:
+            dataset = RolloutQueueDataset(
+                rollout_queue=self.rollout_queue,
+                model_version_fn=lambda: self.model_version,
+                check_health_fn=self.rollout_worker.check_health,
+                stale_after_s=self.args.heartbeat_stale_after_s,
+                metrics=self._metrics["train"],
+                max_staleness=self.args.max_staleness,
+                report_to=self.args.report_to,
+            )
+            self._rollout_dataset = dataset  # (TRL's step metrics read its queue wait)
+            dataset = SampleBatcher(dataset, self.args.per_device_train_batch_size * num_processes)
+        else:
+            dataset = _EmptyIterableDataset()
+        collator = SampleCollator(
+            self.processing_class.pad_token_id,
+            num_processes,
+            groups_trained=self._trained_groups,
+            metrics=self._metrics["train"],
+        )
+        return self.accelerator.prepare(DataLoader(dataset, batch_size=1, collate_fn=collator, num_workers=0))
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._step_batches, self._tree_position, self._tree_pending = batches, 0, {}
+        return batches, num_items
+
+    # ------------------------------------------------------------------ the loss
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if return_outputs:
+            raise ValueError("AsyncTreePPOTrainer does not support returning outputs")
+        training = self.model.training and torch.is_grad_enabled()
+        start = time.time()
+        walked = self._walked_in_step(model, inputs) if training else self._walk(model, [inputs], False)[0]
+        self._last_forward_time_s = time.time() - start
+        self._log_micro_batch(inputs, walked)
+        device = inputs["input_ids"].device
+        loss = torch.tensor(walked.loss, device=device, dtype=torch.float32)
+        if training:
+            self._walker.micro_batch_done(model)
+            return torch.zeros((), device=device, requires_grad=True) + loss  # (gradients are in .grad)
+        return loss
+
+    def dense_loss(self, model, inputs: dict) -> torch.Tensor:
+        """TRL's loss of one collated micro-batch by a plain forward of each sample (with its graph): what
+        ``tree_check_gradients``, and the tests, compare the walk with."""
+        return dense_loss(
+            model, inputs, self.epsilon_low, self.epsilon_high, self.temperature,
+            self.current_gradient_accumulation_steps, self.accelerator.num_processes,
+        )  # fmt: skip
+
+    def _walked_in_step(self, model, inputs) -> MicroBatchWalk:
+        """This micro-batch's share of its optimizer step's walk: at the step's first micro-batch, walk
+        every micro-batch of the step (kept by ``get_batch_samples``), then serve them in order. A micro-batch
+        that is not the step's expected one (``compute_loss`` called directly) is walked on its own: the same
+        gradient, less sharing."""
+        k, batches = self._tree_position, self._step_batches
+        self._tree_position += 1
+        if k < len(batches) and _same_batch(batches[k], inputs):
+            if k == 0:
+                group = [inputs, *(self._prepare_inputs(b) for b in batches[1:])]
+                self._tree_pending = dict(enumerate(self._walk(model, group, True)))
+            if k in self._tree_pending:
+                return self._tree_pending.pop(k)
+        return self._walk(model, [inputs], True)[0]
+
+    def _walk(self, model, batches: list[dict], training: bool) -> list[MicroBatchWalk]:
+        """One trie of the samples of ``batches`` (micro-batches of a step), each sample with its
+        micro-batch's share of TRL's loss: backward in training, scoring otherwise. Returns each micro-batch's
+        share."""
+        samples = [s for b, inputs in enumerate(batches) for s in micro_batch_samples(inputs, b)]
+        world = self.accelerator.num_processes
+        accumulation = self.current_gradient_accumulation_steps if training else 1
+        normalisers = [tokens_per_rank(inputs, world) for inputs in batches]
+        loss_fn = ClippedSurrogate(samples, normalisers, self.epsilon_low, self.epsilon_high, accumulation)
+        sequences = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
+        metrics = self._metrics["train" if training else "eval"]
+        walk = self._walker.step(
+            model, sequences, training=training, metrics=metrics, dense_loss=self.dense_loss, batches=batches
+        )
+        with walk as step:
+            if training:
+                step.backward(loss_fn, self.temperature, entropies=True, entropy_grad=False)
+            else:
+                step.score(loss_fn, self.temperature)
+        results = step.results
+        out = [MicroBatchWalk([], [], [], 0.0) for _ in batches]
+        for k, s in enumerate(samples):
+            share = out[s.batch]
+            positions = s.positions.to(results.logps[k].device)
+            share.samples.append(s)
+            share.logps.append(results.logps[k][positions])
+            share.entropies.append(results.entropies[k][positions])
+        for b, share in enumerate(out):
+            share.loss = results.total([k for k, s in enumerate(samples) if s.batch == b])
+        return out
+
+    def _log_micro_batch(self, inputs, walked: MicroBatchWalk) -> None:
+        """TRL's per-micro-batch metrics (``compute_loss``'s, logged under "train" as TRL's are) and per-step
+        accounting, from the walk's values."""
+        metrics = self._metrics["train"]
+        device = inputs["input_ids"].device
+        per_sample = [
+            surrogate_sums(lp, s.old_logps, s.advantage, ent, self.epsilon_low, self.epsilon_high).to(device)
+            for s, lp, ent in zip(walked.samples, walked.logps, walked.entropies, strict=True)
+        ]  # (each row: ratio, kl, entropy, low-, high-, region-clipped, count sums)
+        per_sample = torch.stack(per_sample) if per_sample else torch.zeros(0, 7, device=device).double()
+        sums = self.accelerator.reduce(per_sample.sum(0), reduction="sum")
+        count = float(sums[6])
+        names = (
+            "ratio",
+            "kl",
+            "entropy",
+            "clip_ratio/low_mean",
+            "clip_ratio/high_mean",
+            "clip_ratio/region_mean",
+        )
+        for name, value in zip(names, sums[:6].tolist(), strict=False):
+            metrics[name].append(value / count if count else float("nan"))
+        extremes = torch.full((2,), nan, dtype=torch.float64, device=device)  # (a rank may have no sample)
+        if len(per_sample):  # per sample, its share of low-clipped (high-clipped) tokens; then over ranks
+            extremes = torch.stack([
+                (per_sample[:, 3] / per_sample[:, 6]).min(), (per_sample[:, 4] / per_sample[:, 6]).max()
+            ])  # fmt: skip
+        extremes = self.accelerator.gather(extremes).reshape(-1, 2)  # (ranks, 2)
+        metrics["clip_ratio/low_min"].append(nanmin(extremes[:, 0]).item())
+        metrics["clip_ratio/high_max"].append(nanmax(extremes[:, 1]).item())
+        trained, forward, samples = inputs["counts"][0].tolist()  # (the micro-batch's, over all ranks)
+        mean_seq_len = forward / samples
+        self._step_forward_tokens += forward
+        self._step_trained_tokens += trained
+        self._step_seq_len_weighted += mean_seq_len * forward
+        self._step_samples += samples
+        self._step_forward_s += self._last_forward_time_s
+
+
+@contextmanager
+def _peak_flops_off_cuda():
+    """TRL 1.16's ``__init__`` asks CUDA for the device's name (its MFU metrics), which fails on a machine
+    without CUDA. For the time of that ``__init__``, a non-CUDA device gets TRL's answer for an unknown device
+    (None: MFU metrics off, throughput and timings still logged); on CUDA, TRL's own function runs."""
+    original = async_grpo_trainer.get_peak_flops_per_device
+
+    def peak_flops(accelerator, dtype):
+        return original(accelerator, dtype) if accelerator.device.type == "cuda" else None
+
+    async_grpo_trainer.get_peak_flops_per_device = peak_flops
+    try:
+        yield
+    finally:
+        async_grpo_trainer.get_peak_flops_per_device = original
+
+
+def _same_batch(a: dict, b: dict) -> bool:
+    """Whether two collated micro-batches (one possibly moved to the device) hold the same samples."""
+    x, y = a["input_ids"], b["input_ids"]
+    return (
+        x.shape == y.shape
+        and torch.equal(x.cpu(), y.cpu())
+        and torch.equal(a["lengths"].cpu(), b["lengths"].cpu())
+    )
