@@ -121,11 +121,12 @@ demo-vllm: venv-vllm
 	VLLM_CPU_KVCACHE_SPACE=$${VLLM_CPU_KVCACHE_SPACE:-2} $(VVPY) -m accelerate.commands.launch \
 		--config_file $(ACCELERATE_CONFIG) recipes/ppo_tau2.py --config $(DEMO_CONFIG) $(DEMO_VLLM_ARGS) $(ARGS)
 
-# The vLLM tests (slow, the real engine on CPU: colocate in subprocesses, a server on 127.0.0.1). vLLM must
+# The vLLM tests (slow, the real engine on CPU: colocate in subprocesses, a server on 127.0.0.1), and the
+# asynchronous tree trainer end to end against a server (tests/test_async_vllm.py, docs/async.md). vLLM must
 # import here, so none of them is skipped for its absence.
 test-vllm: venv-vllm
 	$(VVPY) -c "import vllm"
-	$(VVPY) -m pytest -q tests/test_vllm*.py $(PYTEST_ARGS)
+	$(VVPY) -m pytest -q tests/test_vllm*.py tests/test_async_vllm.py $(PYTEST_ARGS)
 
 # Build/test artefacts; keeps .venv and .venv-vllm (distclean removes them) and benchmarks/out (results).
 clean:
