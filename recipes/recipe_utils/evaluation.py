@@ -164,3 +164,20 @@ class GreedySuccessCallback(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         if self.last_step != state.global_step:
             self._evaluate(state)
+
+
+def saved_policy(base: str, output_dir: str, adapter: bool):
+    """(model, tokenizer) of a policy saved by ``trainer.save_model(output_dir)``: the full model, or with
+    ``adapter`` the PEFT adapter on ``base``; fp32, in eval mode. The saved files, not the trainer's model
+    object: TRL's async trainer changes its LM head's outputs for training."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if adapter:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(
+            AutoModelForCausalLM.from_pretrained(base, dtype="float32"), output_dir
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(output_dir, dtype="float32")
+    return model.eval(), AutoTokenizer.from_pretrained(base, padding_side="left")
