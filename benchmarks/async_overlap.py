@@ -154,6 +154,9 @@ def run_sync(args) -> dict:
               "save_strategy", "report_to", "dataloader_pin_memory", "bf16", "output_dir")  # fmt: skip
     kw = {k: getattr(a, k) for k in shared}
     if args.generation == "colocate":
+        # vLLM's CPU engine sizes its KV cache from VLLM_CPU_KVCACHE_SPACE, not from the utilisation (whose
+        # share of this machine is less than the process already holds): 2 GiB, as the async side's server
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         kw |= dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.05,
                    vllm_max_model_length=2048, vllm_enable_sleep_mode=False)  # fmt: skip
     config = TreePPOConfig(**kw, beta=0.0, loss_type="dapo", num_iterations=1, epsilon_high=a.epsilon_high,
