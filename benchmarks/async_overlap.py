@@ -11,6 +11,9 @@ LoRA adapter on the same warm-started SmolLM2-135M, tasks, seed and settings
 * ``async``: recipes/ppo_tau2_async.py (:class:`~trl_dta.AsyncTreePPOTrainer`) against a real vLLM CPU
   server on 127.0.0.1 (started and stopped here, by its process id), the adapter synced by path after every
   step; TRL's rollout worker runs tools in a thread pool and keeps generating while the walk trains.
+* ``async_split``: the same with the cores split as a GPU node's devices would be: the server's threads on
+  core 0, the trainer (and TRL's rollout worker) on the others. Unsplit, the server keeps generating on every
+  core while the walk trains and slows it many times over.
 
 Each side reports optimizer steps per second over the wall time, held-out success of the final policy
 (greedy rollouts of the 16 held-out tasks, τ²'s check, no latency), and the share of the trainer's time spent
@@ -29,6 +32,7 @@ AReaL-DTA paper's reported figures: docs/async.md ("Overlap").
     python benchmarks/async_overlap.py heldout --side sync             # held-out success (~3 min idle)
     python benchmarks/async_overlap.py heldout --side async
     .venv-vllm/bin/python benchmarks/async_overlap.py async --wall_s 420   # (TRL's worker needs vLLM)
+    .venv-vllm/bin/python benchmarks/async_overlap.py async_split --wall_s 420  # server: core 0
     python benchmarks/async_overlap.py paper --launch_json benchmarks/out/launch_model.json
     python benchmarks/async_overlap.py report                       # the table, from benchmarks/out/
 """
@@ -57,6 +61,8 @@ OUT = REPO / "benchmarks" / "out"
 # across steps, and TRL's rollout worker seeds every request: a batch budget of max_num_seqs x max_model_len
 # tokens never splits one.
 NO_CHUNKED_PREFILL = ("--max-num-seqs", "16", "--max-num-batched-tokens", str(16 * 2048))
+SIDES = ("sync", "async", "async_split")
+SERVER_CORE = 0  # async_split: the server's core (the trainer gets the others)
 PAPER_TRAIN_OVER_GENERATION = {"Qwen3-1.7B": 1.28, "Qwen3-8B": 2.28}
 
 
@@ -204,12 +210,15 @@ def heldout(args) -> dict:
     return result
 
 
-def run_async(args) -> dict:
+def run_async(args, split: bool = False) -> dict:
+    """``split``: the server's threads on core 0, the trainer's on core 1 (the CPU's N generation + M training
+    devices); otherwise both share every core, as the synchronous side's phases do."""
     import ppo_tau2_async
 
     from trl_dta.testing.vllm_server import VLLMServer
 
-    output = str(args.work_dir / "async")  # held-out success: the `heldout` part, as for the sync side
+    name = "async_split" if split else "async"
+    output = str(args.work_dir / name)  # held-out success: the `heldout` part, as for the sync side
     script, a, model_args = settings(
         args.work_dir, "--output_dir", output, "--max_steps", "1000", "--greedy_eval", "0"
     )
@@ -217,11 +226,17 @@ def run_async(args) -> dict:
         model_args.model_name_or_path, "--enable-lora", "--max-lora-rank", str(model_args.lora_r),
         "--max-loras", str(a.max_staleness + 2), "--max-model-len", "2048", *NO_CHUNKED_PREFILL,
         python=args.vllm_python,
-        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_CPU_KVCACHE_SPACE": "2"},
+        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        | ({"VLLM_CPU_OMP_THREADS_BIND": str(SERVER_CORE)} if split else {}),
         startup_timeout=args.server_timeout, log_path=str(args.work_dir / "vllm_server.log"),
     )  # fmt: skip
     clock = WallClock(args.wall_s)
     with server:
+        if split:  # (once the server runs) this process and what it spawns (TRL's rollout worker): the others
+            import torch
+
+            os.sched_setaffinity(0, set(range(os.cpu_count())) - {SERVER_CORE})
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
         a.vllm_server_base_url = server.base_url
         load = [load_average()]
         summary = ppo_tau2_async.main(script, a, model_args, callbacks=[clock])
@@ -230,7 +245,8 @@ def run_async(args) -> dict:
     logs = [r for r in state["log_history"] if "perf/rollout_wait_s" in r]
     waits = [r["perf/rollout_wait_s"] for r in logs]
     after_first = clock.step_ends[-1] - clock.step_ends[0]
-    side = {"side": "async", "trainer": "AsyncTreePPOTrainer", "generation": "vLLM CPU server, LoRA by path",
+    side = {"side": name, "trainer": "AsyncTreePPOTrainer",
+            "generation": "vLLM CPU server, LoRA by path" + (", server core 0, trainer core 1" * split),
             "wait_share_after_first_step": sum(waits[1:]) / after_first if after_first > 0 else None,
             "staleness_max": max((r.get("sample/staleness_max") or 0 for r in logs), default=None),
             "walk_s": sum(r.get("tree/time", 0.0) for r in logs), "load_average": load,
@@ -275,9 +291,9 @@ def paper(args) -> dict:
 
 
 def report(_args) -> None:
-    parts = {p: json.loads((OUT / f"async_overlap_{p}.json").read_text()) for p in ("sync", "async", "paper")
+    parts = {p: json.loads((OUT / f"async_overlap_{p}.json").read_text()) for p in (*SIDES, "paper")
              if (OUT / f"async_overlap_{p}.json").exists()}  # fmt: skip
-    for side in ("sync", "async"):
+    for side in SIDES:
         if side in parts:
             r = parts[side]
             success = f"{r['heldout_success']:.0%}" if r.get("heldout_success") is not None else "-"
@@ -292,8 +308,8 @@ def report(_args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=("prepare", "sync", "async", "heldout", "paper", "report"))
-    parser.add_argument("--side", choices=("sync", "async"), default="sync", help="heldout: whose policy")
+    parser.add_argument("part", choices=("prepare", *SIDES, "heldout", "paper", "report"))
+    parser.add_argument("--side", choices=SIDES, default="sync", help="heldout: whose policy")
     parser.add_argument("--work_dir", type=Path, default=REPO / "outputs" / "async_overlap")
     parser.add_argument("--wall_s", type=float, default=420.0, help="training wall time of each side")
     parser.add_argument("--generation", choices=("colocate", "hf"), default="colocate", help="sync side")
@@ -311,7 +327,9 @@ def main() -> None:
         return prepare(args)
     if args.part == "report":
         return report(args)
-    result = {"sync": run_sync, "async": run_async, "heldout": heldout, "paper": paper}[args.part](args)
+    parts = {"sync": run_sync, "async": run_async, "async_split": functools.partial(run_async, split=True),
+             "heldout": heldout, "paper": paper}  # fmt: skip
+    result = parts[args.part](args)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"async_overlap_{args.side if args.part == 'heldout' else args.part}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
