@@ -121,9 +121,8 @@ def test_bad_settings_are_refused(tmp_path, model_dir):
         make_config(tmp_path, config_cls=TreePPOConfig, tree_block_size=0)
     config = make_config(tmp_path, config_cls=TreePPOConfig, disable_dropout=False)
     model = tiny_model(seed=0, attention_dropout=0.1)
-    trainer = make_trainer(TreeScripted, config, model=model)
-    with pytest.raises(ValueError, match="randomness is on in train mode"):
-        trainer.train()
+    with pytest.raises(ValueError, match="randomness is on in train mode"):  # (when built)
+        make_trainer(TreeScripted, config, model=model)
 
 
 def _opt(**overrides):
@@ -163,7 +162,7 @@ def test_randomness_held_as_numbers_is_turned_off_by_disable_dropout(tmp_path, b
     with pytest.raises(
         ValueError, match="randomness is on in train mode.*(dropout = 0.1|jitter_noise = 0.5)"
     ):
-        make_trainer(TreeScripted, config, model=build()).train()
+        make_trainer(TreeScripted, config, model=build())  # (refused when built)
 
 
 def test_resume_from_checkpoint_continues_with_same_gradients(tmp_path, model_dir):

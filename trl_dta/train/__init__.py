@@ -6,6 +6,7 @@ Files say whom they serve: ``ppo_*`` only :class:`TreePPOTrainer`, ``sft_*`` onl
 the rest both.
 
 * Shared: ``tree_args.py`` (the ``tree_*`` options both configs share, and the method's paper),
+  ``refusals.py`` (what the trainers refuse when they are built: arguments, models, tokenizer, lengths),
   ``multi_process.py`` (DDP, FSDP2 and DeepSpeed around the walk:
   the checks at construction, the step flow, idle walks, the gradient all-reduce), ``load_balancing.py``
   (TRL's MoE load-balancing loss on a trie), ``gradient_check.py`` (``tree_check_gradients``).

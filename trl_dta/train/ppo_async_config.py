@@ -33,7 +33,7 @@ class AsyncTreePPOConfig(TreeArguments, AsyncGRPOConfig):
         disable_dropout (`bool`, defaults to `True`):
             Zero every dropout probability of the policy (TRL's async trainer keeps the model's): a shared
             prefix shares one dropout mask, so the walk equals the dense loss only without randomness. With
-            `False`, a model that still has randomness in train mode is refused by the walk.
+            `False`, a model that still has randomness in train mode is refused when the trainer is built.
 
     Fields of ``AsyncGRPOConfig`` that behave differently:
 

@@ -56,7 +56,8 @@ from .ppo_async_loss import (
     surrogate_sums,
     tokens_per_rank,
 )
-from .step import StepSequence, StepWalker, check_arguments
+from .refusals import check_arguments, rollout_length
+from .step import StepSequence, StepWalker
 from .tree_args import PAPER
 
 
@@ -118,8 +119,10 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
             )
         self._use_walk_attention()
         self._walker = StepWalker(self.args, self.accelerator, self.model)
-        if getattr(self.args, "disable_dropout", True):
-            self._walker.disable_randomness(self.model)
+        self._walker.check_models(  # (before the rollout worker starts: what the first walk would refuse)
+            self.model, tokenizer=self.processing_class, length=rollout_length(self.args),
+            disable_dropout=getattr(self.args, "disable_dropout", True),
+        )  # fmt: skip
         self._step_batches: list[dict] = []  # the current optimizer step's micro-batches (get_batch_samples)
         self._tree_position = 0  # micro-batches of the current step served so far
         self._tree_pending: dict[int, MicroBatchWalk] = {}

@@ -44,7 +44,8 @@ from .ppo_config import TreePPOConfig
 from .ppo_losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
 from .ppo_rows import concat_batches, take_rows
 from .ppo_step import RowLosses, Walked, scatter, step_sequences, walked_batches
-from .step import StepWalker, check_arguments
+from .refusals import check_arguments, rollout_length
+from .step import StepWalker
 from .tree_args import PAPER
 
 logger = logging.getLogger(__name__)
@@ -89,8 +90,10 @@ class TreePPOTrainer(VLLMMixin, GRPOTrainer):
         self._tree_lexicographic = getattr(a, "tree_lexicographic_steps", False)
         self._tree_ordered = None  # the buffered micro-batches last put in lexicographic order
         self._loss_settings = LossSettings.from_trainer(self)
-        if a.disable_dropout:
-            self._walker.disable_randomness(self.model, self.ref_model)
+        self._walker.check_models(  # (before any generation: what the first walk would refuse)
+            self.model, self.ref_model, tokenizer=self.processing_class, length=rollout_length(a),
+            disable_dropout=a.disable_dropout,
+        )  # fmt: skip
         # Re-partition the global batch in lexicographic runs, unless the loss has per-micro-batch statistics
         # (bnpo, top_entropy_quantile, entropy bonus): those keep TRL's per-rank batches.
         self._repartition = self._walker.multi_process and not (

@@ -38,9 +38,10 @@ from dataclasses import dataclass
 import torch
 from trl import SFTTrainer
 
+from .refusals import check_arguments, sample_length
 from .sft_config import TreeSFTConfig
 from .sft_samples import Sample, batch_samples, num_input_tokens, trained_tokens
-from .step import StepSequence, StepWalk, StepWalker, check_arguments
+from .step import StepSequence, StepWalk, StepWalker
 from .tree_args import PAPER
 
 # the accuracy pass: at this temperature the label's log-prob is > -(log V + 1) iff it is the top-1 token
@@ -103,8 +104,10 @@ class TreeSFTTrainer(SFTTrainer):
         self._walker = StepWalker(self.args, self.accelerator, self.model)
         self._tree_accuracy = getattr(self.args, "tree_token_accuracy", TreeSFTConfig.tree_token_accuracy)
         self._tree_step: _Step | None = None
-        if getattr(self.args, "disable_dropout", TreeSFTConfig.disable_dropout):
-            self._walker.disable_randomness(self.model)
+        self._walker.check_models(  # (before any step: what the first walk would refuse)
+            self.model, tokenizer=self.processing_class, length=sample_length(self.args),
+            disable_dropout=getattr(self.args, "disable_dropout", TreeSFTConfig.disable_dropout),
+        )  # fmt: skip
 
     def _refuse_unsupported(self) -> None:
         """What the walk cannot do in an SFT run (the rest: :class:`~trl_dta.train.step.StepWalker`)."""

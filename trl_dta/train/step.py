@@ -52,9 +52,11 @@ from ..trie import PrefixTrie
 from ..walk.budgets import Budgets
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
+from ..walk.preflight import preflight
 from .gradient_check import GradientCheck
 from .load_balancing import step_router_grad
-from .multi_process import StepFlow, check_distributed, check_trainable
+from .multi_process import StepFlow, check_distributed
+from .refusals import LengthBound, check_arguments, tokenizer_size
 from .tree_args import TreeArguments
 
 logger = logging.getLogger(__name__)
@@ -146,6 +148,27 @@ class StepWalker:
         for executor in self.executors.values():
             executor.budgets.reserve(reserved_bytes)
 
+    def check_models(self, policy, *others, tokenizer=None, length: LengthBound | None = None,
+                     disable_dropout: bool = True) -> None:  # fmt: skip
+        """At the trainer's construction, after TRL's: refuse what the first walk of ``policy`` (and of
+        ``others``, a reference model; None is skipped) would refuse whatever the data
+        (:mod:`trl_dta.walk.preflight`: the model's structure and the probe, ``tokenizer``'s size, the
+        longest sequence the arguments allow), then ``disable_dropout`` (:meth:`disable_randomness`), or,
+        without it, refuse randomness left on in the policy, by setting and by behaviour."""
+        unwrap = self.accelerator.unwrap_model
+        length = length or LengthBound(None)
+        models, size = [m for m in (policy, *others) if m is not None], tokenizer_size(tokenizer)
+        for k, model in enumerate(models):
+            preflight(
+                unwrap(model), lm_head_fp32=self.options["lm_head_fp32"], tokenizer_size=size,
+                max_length=length.tokens, length_setting=length.setting, option=length.option,
+                training=k == 0 and not disable_dropout,
+            )  # fmt: skip
+        if disable_dropout:
+            self.disable_randomness(policy, *others)
+        else:
+            self._check_deterministic(unwrap(policy))
+
     def disable_randomness(self, policy, *others) -> list[str]:
         """``disable_dropout``: zero every dropout probability and noise scale of ``policy`` and ``others``
         (a reference model; None is skipped), on modules and in configs, then check by behaviour that the
@@ -155,9 +178,14 @@ class StepWalker:
         changed = [c for m in (policy, *others) if m is not None for c in disable_randomness(unwrap(m))]
         if changed:
             logger.info("disable_dropout: set to 0: %s", ", ".join(changed))
-        policy = unwrap(policy)
+        self._check_deterministic(unwrap(policy))
+        return changed
+
+    @staticmethod
+    def _check_deterministic(policy) -> None:
+        """Two forwards of the same input in train mode must agree (the settings named if not)."""
         if any(p.is_meta for p in policy.parameters()):
-            return changed  # weights on rank 0 only (FSDP's cpu_ram_efficient_loading): the probe checks
+            return  # weights on rank 0 only (FSDP's cpu_ram_efficient_loading): the probe checks
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         modes = [(m, m.training) for m in policy.modules()]
         policy.train()
@@ -167,7 +195,6 @@ class StepWalker:
         finally:
             for m, mode in modes:
                 m.training = mode
-        return changed
 
     def step(
         self, model, sequences: Sequence[StepSequence], *, training: bool = True, metrics=None,
@@ -330,22 +357,6 @@ class StepWalk(AbstractContextManager):
         metrics["tree/oom_retries"].append(float(self.walker.take_oom_retries()))
         if self.peak_memory is not None:
             metrics["tree/peak_memory"].append(float(self.peak_memory))
-
-
-def check_arguments(args, model=None, peft_config=None) -> None:
-    """What the walk refuses in a trainer's arguments (call it early: before TRL prepares the datasets):
-    fp16 gradient scaling, Liger kernels, PEFT prompt learning (``model`` or ``peft_config``)."""
-    if getattr(args, "fp16", False):
-        raise ValueError(
-            "fp16 mixed precision (gradient scaling) is not supported by the tree walk; use bf16."
-        )
-    if getattr(args, "use_liger_kernel", False):
-        raise ValueError(
-            "use_liger_kernel replaces the model's layers and loss kernels; it is not supported by the tree "
-            "walk."
-        )
-    for thing in (model, peft_config):
-        check_trainable(thing)
 
 
 def _idle_trie() -> PrefixTrie:

@@ -9,6 +9,7 @@ packed), ``scoring.py`` (which positions get the LM head, a sequence's log-probs
 ``transformers`` model), ``cache.py`` (the cache object the model writes into), ``path_kv.py`` (the path's
 K/V in one buffer per layer), ``packing.py`` (positions and mask of a packed row), ``checks.py``,
 ``determinism.py`` and ``probe.py`` (what is refused, randomness, and the construction probe),
+``preflight.py`` (every refusal that needs no sequence, run before the first walk),
 ``errors.py`` (:class:`UnsupportedModelError`, out-of-memory errors). Around the walk: ``budgets.py``
 (:class:`~trl_dta.walk.budgets.Budgets`: the token budgets, from a memory budget, halved and grown back),
 ``costs.py`` (what a call costs: which calls the plan merges), ``recovery.py`` (a walk that runs out of

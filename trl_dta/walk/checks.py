@@ -140,13 +140,15 @@ def check_attention_implementation(config) -> None:
         )
 
 
-def check_no_randomness(model: nn.Module) -> None:
+def check_no_randomness(model: nn.Module, training: bool | None = None) -> None:
     """Refuse a training model with randomness switched on by a setting
     (:func:`~trl_dta.walk.determinism.stochastic_settings`: dropout modules, dropout probabilities held on
-    modules, layer drop, router jitter): a shared prefix would share one random draw."""
-    if not model.training:
+    modules, layer drop, router jitter): a shared prefix would share one random draw. ``training``: check as
+    if the model were in that mode (a trainer's model at construction, before the Trainer puts it in train
+    mode); None: its current mode."""
+    if not (model.training if training is None else training):
         return
-    found = stochastic_settings(model)
+    found = stochastic_settings(model, as_training=training is not None)
     if found:
         more = f" and {len(found) - 3} more" if len(found) > 3 else ""
         raise ValueError(
@@ -194,17 +196,42 @@ def check_positions(trie, limit: int | None) -> None:
     )
 
 
-def check_length(lm, max_length: int) -> None:
+def check_length(lm, max_length: int, what: str | None = None, hint: str = "") -> None:
     """Refuse sequences longer than the model's attention window or the limit of its length-dependent RoPE
-    (``lm``: a :class:`~trl_dta.walk.model.CausalLM`)."""
+    (``lm``: a :class:`~trl_dta.walk.model.CausalLM`, or anything with its ``attention_window``,
+    ``window_kind``, ``rope_limit`` and ``rope_kind``). ``what``: the sequences in the message (default: "a
+    sequence of N tokens"; a caller that checks a configured bound names its setting); ``hint``: appended."""
+    what = what or f"a sequence of {max_length} tokens"
     if lm.attention_window is not None and max_length > lm.attention_window:
         raise UnsupportedModelError(
-            f"a sequence of {max_length} tokens exceeds the model's {lm.window_kind} ({lm.attention_window} "
-            "tokens); windowed or chunked attention over a cached prefix is not supported."
+            f"{what} exceeds the model's {lm.window_kind} ({lm.attention_window} tokens); windowed or "
+            f"chunked attention over a cached prefix is not supported.{hint}"
         )
     if lm.rope_limit is not None and max_length > lm.rope_limit:
         raise UnsupportedModelError(
-            f"a sequence of {max_length} tokens exceeds the model's original context ({lm.rope_limit}) with "
-            f"{lm.rope_kind!r} RoPE: past it the rotary frequencies depend on each forward call's length, so "
-            "a cached prefix is encoded differently from a dense pass; not supported."
+            f"{what} exceeds the model's original context ({lm.rope_limit}) with {lm.rope_kind!r} RoPE: past "
+            "it the rotary frequencies depend on each forward call's length, so a cached prefix is encoded "
+            f"differently from a dense pass; not supported.{hint}"
+        )
+
+
+def check_position_limit(limit: int | None, max_length: int, what: str, option: str) -> None:
+    """Refuse a configured bound ``max_length`` (described by ``what``) longer than a learned position
+    table: :func:`check_positions` before any sequence exists; ``option`` is the setting to lower."""
+    if limit is not None and max_length > limit:
+        raise ValueError(
+            f"{what} exceeds the {limit} positions the model's learned position embeddings cover; lower "
+            f"{option} so that sequences fit in {limit} tokens."
+        )
+
+
+def check_tokenizer_size(tokens: int, vocab: int) -> None:
+    """Refuse a tokenizer with more ids than the model can embed and score (:func:`check_vocabulary` before
+    any sequence exists: the ids past the model's vocabulary would fail in generation or in the walk)."""
+    if tokens > vocab:
+        raise ValueError(
+            f"the tokenizer has {tokens} ids, but the model's vocabulary has {vocab} (0..{vocab - 1}): ids "
+            f"{vocab}..{tokens - 1} have no embedding or logit. Was the model paired with another tokenizer, "
+            "or were tokens added without resizing the model's embeddings "
+            "(model.resize_token_embeddings(len(tokenizer)))?"
         )

@@ -74,14 +74,14 @@ def config_rates(model: nn.Module, refused_only: bool = False) -> list[str]:
     return found
 
 
-def stochastic_settings(model: nn.Module) -> list[str]:
+def stochastic_settings(model: nn.Module, as_training: bool = False) -> list[str]:
     """Where ``model`` draws random numbers by its settings when it trains: dropout modules with ``p > 0``,
     module attributes named like a probability (``dropout``, ``layerdrop``, ``jitter_noise``, ...) with a
-    positive value, on modules in train mode, and the config's layer-drop, jitter and attention-dropout keys.
-    Empty if none is on."""
+    positive value, on modules in train mode (``as_training``: on every module, as ``model.train()`` would
+    put them), and the config's layer-drop, jitter and attention-dropout keys. Empty if none is on."""
     found = []
     for name, module in model.named_modules():
-        if not module.training:  # (a submodule the caller put in eval mode draws nothing)
+        if not (module.training or as_training):  # (a submodule the caller put in eval mode draws nothing)
             continue
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             found.append(f"{name or 'model'} ({type(module).__name__}, p={module.p})")

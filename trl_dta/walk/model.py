@@ -74,6 +74,16 @@ def _full_shape(param: torch.Tensor) -> torch.Size:
     return getattr(param, "ds_shape", param.shape)
 
 
+def vocabulary_size(base: nn.Module, lm_head: nn.Module | None = None) -> int:
+    """Ids ``base`` (a ``transformers`` causal LM) can both embed and score: the smaller of its current input
+    and output embeddings (``lm_head``: the head to use where the model reports none)."""
+    embeddings, head = base.get_input_embeddings(), base.get_output_embeddings() or lm_head
+    sizes = [_full_shape(head.weight)[0]] + (
+        [] if embeddings is None else [_full_shape(embeddings.weight)[0]]
+    )
+    return min(sizes)
+
+
 class CausalLM:
     """A causal LM seen as ``forward(tokens, path) -> hidden, new caches`` plus an LM head.
 
@@ -82,7 +92,9 @@ class CausalLM:
             learning methods are refused).
         lm_head_fp32: run the LM head projection in float32 (TRL's ``cast_lm_head_to_fp32``).
         probe: run the probe now (recommended; a few forwards of at most 13 tokens). Without it, sibling
-            leaves are never packed, since only the probe shows that packing is exact for the model.
+            leaves are never packed, since only the probe shows that packing is exact for the model, and a
+            model without weights (on the meta device) is accepted: only its structure is checked
+            (:mod:`trl_dta.walk.preflight`).
     """
 
     def __init__(self, model: nn.Module, lm_head_fp32: bool = False, probe: bool = True):
@@ -95,7 +107,7 @@ class CausalLM:
         self.model = model
         self.base = base = _base_model(model)
         self.name = type(base).__name__
-        if any(p.is_meta for p in model.parameters()):
+        if probe and any(p.is_meta for p in model.parameters()):
             raise ValueError(
                 f"{self.name} has parameters on the meta device (built without weights, e.g. under "
                 "init_empty_weights or device_map with offloading): load its weights, or materialize it "
@@ -185,11 +197,7 @@ class CausalLM:
     @property
     def vocab_size(self) -> int:
         """Ids the model can both embed and score (the smaller of its current input and output embeddings)."""
-        embeddings, head = self.base.get_input_embeddings(), self.base.get_output_embeddings() or self.lm_head
-        sizes = [_full_shape(head.weight)[0]] + (
-            [] if embeddings is None else [_full_shape(embeddings.weight)[0]]
-        )
-        return min(sizes)
+        return vocabulary_size(self.base, self.lm_head)
 
     def check_sequences(self, trie) -> None:
         """Checks of a call's sequences (a :class:`~trl_dta.PrefixTrie`), before any forward: every id has an
