@@ -188,8 +188,8 @@ def run_sync(args) -> dict:
     load.append(load_average())
     history = trainer.state.log_history
     side = {"side": "sync", "trainer": "TreePPOTrainer", "generation": args.generation, "load_average": load,
-            "walk_s": sum(r["tree/time"] for r in history if "tree/time" in r),
-            "engine_s": sum(r["generation_time"] for r in history if "generation_time" in r),
+            "walk_s": sum(r["tree/time_s"] for r in history if "tree/time_s" in r),
+            "engine_s": sum(r["perf/generation_s"] for r in history if "perf/generation_s" in r),
             "rewards": [r["reward"] for r in history if "reward" in r]}  # fmt: skip
     result = rates(side, clock, sum(generation_s))
     trainer.save_model(str(output))  # held-out success: the `heldout` part, from the saved adapter
@@ -249,7 +249,7 @@ def run_async(args, split: bool = False) -> dict:
             "generation": "vLLM CPU server, LoRA by path" + (", server core 0, trainer core 1" * split),
             "wait_share_after_first_step": sum(waits[1:]) / after_first if after_first > 0 else None,
             "staleness_max": max((r.get("sample/staleness_max") or 0 for r in logs), default=None),
-            "walk_s": sum(r.get("tree/time", 0.0) for r in logs), "load_average": load,
+            "walk_s": sum(r.get("tree/time_s", 0.0) for r in logs), "load_average": load,
             "rewards": [r.get("reward") for r in logs], "summary": summary}  # fmt: skip
     return rates(side, clock, sum(waits))
 

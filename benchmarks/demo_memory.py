@@ -7,7 +7,7 @@ Each run is ``recipes/ppo_tau2.py --config recipes/configs/ppo_tau2_retail.yaml 
 ``--no_tree`` and ``--gradient_checkpointing`` as the run says, and any flags after ``--``) in its own
 process; its peak RSS is the kernel's high-water mark of that process (``ru_maxrss`` from ``wait4``): the
 model, torch, TRL, τ² and generation included, so it is what the machine must have. ``step s`` and
-``tree/time`` come from the run's ``trainer_state.json``.
+``tree/time_s`` come from the run's ``trainer_state.json``.
 
 ``--max_rss_gb`` caps each run's address space (``RLIMIT_AS``): a run that needs more fails with an
 allocation error, reported as ``> cap``, instead of waking the kernel's OOM killer on a shared machine (stock
@@ -61,7 +61,8 @@ def run(name: str, extra: list[str], cap_gb: float | None) -> dict:
         with open(state) as f:
             logs = [h for h in json.load(f)["log_history"] if "step_time" in h]
         if logs:
-            result.update({k: logs[0].get(k) for k in ("step_time", "tree/time", "tree/dedup_ratio", "loss")})
+            keys = ("step_time", "tree/time_s", "tree/dedup_ratio", "loss")
+            result.update({k: logs[0].get(k) for k in keys})
     return result
 
 
@@ -81,7 +82,7 @@ def main():
             cap = f", cap {args.max_rss_gb} GiB" if args.max_rss_gb else ""
             peak += f" (failed, rc {r['returncode']}{cap})"
         print(f"{name:10s} peak RSS {peak}, wall {r['wall_s']:.0f} s, step_time {r.get('step_time')}, "
-              f"tree/time {r.get('tree/time')}  log: {r['log']}", flush=True)  # fmt: skip
+              f"tree/time_s {r.get('tree/time_s')}  log: {r['log']}", flush=True)  # fmt: skip
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"max_rss_gb": args.max_rss_gb, "load_avg_1min_after": os.getloadavg()[0],

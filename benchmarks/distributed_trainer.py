@@ -6,7 +6,7 @@ device: gloo on CPU).
 
 One trainer per run, ``benchmarks/trainer.py``'s model (a 4-layer Qwen3, hidden 256, fp32, sdpa) and scripted
 batches of ``--case`` per rank (so the global batch is twice the case's), SGD, clipping on. Rank 0 prints one
-JSON line: TRL's logged ``step_time`` (one ``training_step``) and the walk's ``tree/time`` per optimizer
+JSON line: TRL's logged ``step_time`` (one ``training_step``) and the walk's ``tree/time_s`` per optimizer
 step, medians over the steps after the first (which also generates and compiles nothing, but allocates), and
 the wall time of ``trainer.train()``. Results go to ``--out`` (benchmarks/out/) as well.
 """
@@ -64,7 +64,7 @@ def main():
         "mode": args.mode, "case": args.case, "world": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type), "steps": args.steps,
         "step_s": statistics.median(h["step_time"] for h in later),
-        "tree_time_s": statistics.median(h["tree/time"] for h in later if "tree/time" in h),
+        "tree_time_s": statistics.median(h["tree/time_s"] for h in later if "tree/time_s" in h),
         "train_s": train_s, "threads": args.threads,
     }  # fmt: skip
     if int(os.environ.get("RANK", 0)) == 0:

@@ -33,7 +33,7 @@ times after one untimed warm-up step of each; medians are reported. Measured per
   (the policy forward/backward; for (c) and (d) the walk, plus TRL's ``_compute_loss`` on detached values for
   its metrics), median over steps;
 * ``logp s``: the no-grad log-prob pass(es) per generation (old log-probs), median;
-* ``tree/time``: the walk alone as TreePPOTrainer logs it (c only);
+* ``tree/time_s``: the walk alone as TreePPOTrainer logs it (c only);
 * ``peak RSS MiB``: peak resident memory of one ``--steps`` ``train()`` in a fresh process per trainer, minus
   the process's resident memory once the trainer is built (so the model, TRL and torch themselves are not
   counted): what training adds on top of them.
@@ -229,7 +229,7 @@ def print_table(summary, dedup, padded):
             print("  ".join("-" * w for w in widths))
     print(f"\n'c x' = that trainer's time / TreePPO's (speedup of c over it). dedup ratio of the optimizer "
           f"step {dedup:.2f}x (tokens / unique tokens), padded ratio of the dense batch {padded:.2f}x; "
-          f"TreePPO tree/time (walk only) {c['tree_time_s']:.3f} s per step.")  # fmt: skip
+          f"TreePPO tree/time_s (walk only) {c['tree_time_s']:.3f} s per step.")  # fmt: skip
 
 
 def plot(summary, runs, path):

@@ -354,8 +354,9 @@ def test_flex_attention_is_refused_on_cpu():
 
 
 def test_cuda_peak_read_across_walks_keeps_what_their_resets_cleared(monkeypatch):
-    """A walk resets CUDA's peak statistics at its start (its own tree/peak_memory); peak.max_memory_allocated
-    still gives the peak since the last outside reset. CUDA's counters are simulated (no GPU here)."""
+    """A walk resets CUDA's peak statistics at its start (its own tree/peak_memory_gib);
+    peak.max_memory_allocated still gives the peak since the last outside reset. CUDA's counters are simulated
+    (no GPU here)."""
     from trl_dta.walk import peak
 
     stats = {"peak": 0}

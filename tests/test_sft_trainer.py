@@ -279,7 +279,7 @@ def test_logs_budgets_retries_and_peak_memory(tmp_path):
         assert (h["tree/block_size"], h["tree/batch_tokens"], h["tree/subtree_tokens"]) == (64, 96, 0)
         assert h["tree/oom_retries"] == 0.0
         # torch alone is resident beyond 50 MB; statm's pages and ru_maxrss's count differ slightly
-        assert 50e6 < h["tree/peak_memory"] <= 1.05 * high_water
+        assert 50e6 / 2**30 < h["tree/peak_memory_gib"] <= 1.05 * high_water / 2**30
 
 
 def test_refuses_peft_prompt_learning_at_construction(tmp_path):

@@ -84,7 +84,7 @@ def test_a_third_trainer_drives_the_seam(setup):
         e is not None and e.shape == lp.shape for e, lp in zip(step.results.entropies, ref_logps, strict=True)
     )
     for key in ("tree/tokens", "tree/dedup_ratio", "tree/calls", "tree/block_size", "tree/oom_retries",
-                "tree/peak_memory"):  # fmt: skip
+                "tree/peak_memory_gib", "tree/time_s"):  # fmt: skip
         assert len(metrics[key]) == 1, key
     assert metrics["tree/block_size"] == [8.0] and metrics["tree/oom_retries"] == [0.0]
     assert metrics["tree/dedup_ratio"][0] > 1.3  # the prompt is walked once

@@ -141,8 +141,8 @@ def test_colocate_matches_stock(case, tmp_path):
 
     # item 5's metrics: the walk's and the step's time every step, the generation's at each generation
     logs = [entry for entry in tree["log_history"] if "loss" in entry]
-    assert all("tree/time" in e and "step_time" in e for e in logs)
-    assert sum("generation_time" in e for e in logs) == len(tree["rollouts"])
+    assert all("tree/time_s" in e and "step_time" in e for e in logs)
+    assert sum("perf/generation_s" in e for e in logs) == len(tree["rollouts"])
     if case == "lora":
         assert all(".lora_" in name for name in tree["grads"][0]), "only the adapters train"
     if case == "importance_sampling":

@@ -78,7 +78,7 @@ def _timed_trainer(times: dict[str, list[float]]) -> type:
             t0 = time.perf_counter()
             out = super().training_step(*args, **kwargs)
             times["train_step"][-1] += time.perf_counter() - t0
-            times["walk"][-1] += self._metrics["train"]["tree/time"][-1]
+            times["walk"][-1] += self._metrics["train"]["tree/time_s"][-1]
             return out
 
     return Timed

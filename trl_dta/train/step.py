@@ -351,12 +351,12 @@ class StepWalk(AbstractContextManager):
         forward, backward = executor.calls.forward - self._calls[0], executor.calls.backward - self._calls[1]
         metrics["tree/calls"].append(float(forward + backward))
         metrics["tree/tokens_per_call"].append((executor.calls.tokens - self._calls[2]) / max(forward, 1))
-        metrics["tree/time"].append(time.perf_counter() - self._started)
+        metrics["tree/time_s"].append(time.perf_counter() - self._started)
         for name, value in executor.budgets.metrics().items():  # the budgets in use (derived or given)
             metrics[f"tree/{name}"].append(float(value))
         metrics["tree/oom_retries"].append(float(self.walker.take_oom_retries()))
         if self.peak_memory is not None:
-            metrics["tree/peak_memory"].append(float(self.peak_memory))
+            metrics["tree/peak_memory_gib"].append(self.peak_memory / 2**30)
 
 
 def _idle_trie() -> PrefixTrie:

@@ -24,7 +24,7 @@ class VLLMMixin:
     """For ``class T(VLLMMixin, GRPOTrainer)``. With ``use_vllm=True`` and ``vllm_mode="colocate"`` on vLLM's
     CPU backend (and only there): the engine runs in the policy's dtype and eagerly, and weight syncs go
     through :func:`trl_dta.vllm.cpu.sync_weights`; on CUDA, TRL's own engine settings and sync are kept.
-    Every mode and backend: logs ``generation_time``, the seconds spent in TRL's ``_generate`` (the weight
+    Every mode and backend: logs ``perf/generation_s``, the seconds spent in TRL's ``_generate`` (the weight
     sync, the generation, the tool calls and their turns), beside TRL's ``step_time``. On a GPU with a
     colocated engine in sleep mode, :meth:`vllm_reserved_bytes` is the memory the walk's budgets leave to
     the engine (:mod:`trl_dta.vllm.memory`)."""
@@ -55,4 +55,4 @@ class VLLMMixin:
             return super()._generate(prompts)
         finally:
             mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["generation_time"].append(time.perf_counter() - started)
+            self._metrics[mode]["perf/generation_s"].append(time.perf_counter() - started)

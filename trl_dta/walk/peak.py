@@ -1,5 +1,5 @@
 """The memory a walk peaks at: :attr:`TreeExecutor.peak_memory <trl_dta.walk.executor.TreeExecutor>`, which
-the trainers log as ``tree/peak_memory`` (bytes).
+the trainers log in GiB as ``tree/peak_memory_gib``.
 
 * CUDA: ``torch.cuda.max_memory_allocated`` after ``torch.cuda.reset_peak_memory_stats`` at the walk's start:
   the most bytes PyTorch held allocated on the device at once during the walk, weights, gradients and
