@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .tree_args import TreeArguments
+from .tree_args import TreeArguments, check_flag
 
 
 @dataclass
@@ -63,3 +63,5 @@ class TreePPOConfig(TreeArguments, GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()  # (TreeArguments checks the shared options)
+        check_flag("tree_lexicographic_steps", self.tree_lexicographic_steps)
+        check_flag("tree_gather_per_layer", self.tree_gather_per_layer)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
-from .tree_args import TreeArguments
+from .tree_args import TreeArguments, check_flag
 
 
 @dataclass
@@ -49,3 +49,7 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
         default=False,
         metadata={"help": "Not needed by the tree walk; if on, it is suspended during the walk."},
     )
+
+    def __post_init__(self):
+        super().__post_init__()  # (TreeArguments checks the shared options)
+        check_flag("tree_token_accuracy", self.tree_token_accuracy)
