@@ -40,7 +40,11 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
     """
 
     tree_token_accuracy: bool = field(
-        default=True, metadata={"help": "Log mean_token_accuracy (one more no-graph forward of the trie)."}
+        default=True,
+        metadata={
+            "help": "Log mean_token_accuracy: one more forward of the trie, without a graph "
+            "(--no_tree_token_accuracy skips it)."
+        },
     )
     disable_dropout: bool = field(
         default=True, metadata={"help": "Disable dropout (required for exactness)."}

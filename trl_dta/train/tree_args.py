@@ -122,8 +122,8 @@ class TreeArguments:
     tree_check_gradients: bool = field(
         default=False,
         metadata={
-            "help": "On the first optimizer step, also compute the dense TRL gradients and raise if the "
-            "walk's differ by more than tree_check_tolerance."
+            "help": "On the first optimizer step, also compute its gradients densely (no tree) and raise if "
+            "the walk's differ by more than tree_check_tolerance."
         },
     )
     tree_check_tolerance: float = field(
