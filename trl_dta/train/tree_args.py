@@ -1,4 +1,5 @@
-"""The tree walk's options shared by :class:`~trl_dta.TreePPOConfig` and :class:`~trl_dta.TreeSFTConfig`.
+"""The tree walk's options shared by :class:`~trl_dta.TreePPOConfig`, :class:`~trl_dta.AsyncTreePPOConfig` and
+:class:`~trl_dta.TreeSFTConfig`.
 
 :class:`TreeArguments` is a dataclass mixin: a config lists it *before* its TRL parent
 (``class TreePPOConfig(TreeArguments, GRPOConfig)``) so that TRL's fields keep their order (``output_dir``
@@ -83,7 +84,8 @@ class TreeArguments:
             micro-batches) and raise if the tree walk's gradients differ (relative tolerance
             `tree_check_tolerance`). Costs one dense forward/backward of a step, once.
         tree_check_tolerance (`float`, defaults to 1e-3):
-            Largest allowed per-tensor ``max|tree - dense| / max|dense|`` for `tree_check_gradients`.
+            Largest allowed per-tensor ``max|tree - dense| / max|dense|`` for `tree_check_gradients` (a finite
+            number >= 0).
     """
 
     tree_memory_budget: float | str | None = field(
