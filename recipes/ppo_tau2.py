@@ -80,11 +80,15 @@ class ScriptArguments:
 
     domain: str = field(default="retail", metadata={"help": "τ² domain.", "choices": list(DOMAINS)})
     max_tasks: int | None = field(
-        default=None, metadata={"help": "Train on at most this many tasks of the train split (default: all)."}
+        default=None,
+        metadata={"help": "Train on at most this many tasks of the train split, a seeded draw (unset: all)."},
     )
     max_eval_tasks: int | None = field(
         default=None,
-        metadata={"help": "With --eval_strategy steps|epoch: evaluate on at most this many test tasks."},
+        metadata={
+            "help": "Evaluate (--eval_strategy steps|epoch, --greedy_eval) on at most this many test tasks "
+            "(unset: all)."
+        },
     )
     write_only: bool = field(
         default=True,
@@ -98,13 +102,13 @@ class ScriptArguments:
         default=None,
         metadata={
             "help": "OpenAI-compatible endpoint (e.g. http://localhost:8000/v1) of an LLM that plays the "
-            "user. Default: τ²'s task instructions replayed by an offline scripted user (no LLM)."
+            "user (unset: τ²'s task instructions replayed by an offline scripted user, no LLM)."
         },
     )
     user_model: str | None = field(default=None, metadata={"help": "Model name at --user_base_url."})
     user_api_key: str | None = field(
         default=None,
-        metadata={"help": "API key for --user_base_url (default: $OPENAI_API_KEY, else 'EMPTY')."},
+        metadata={"help": "API key for --user_base_url (unset: $OPENAI_API_KEY, else 'EMPTY')."},
     )
     max_user_turns: int = field(
         default=6, metadata={"help": "Most messages the simulated user answers before the episode ends."}
@@ -146,8 +150,8 @@ class ScriptArguments:
     warm_start_steps: int = field(
         default=0,
         metadata={
-            "help": "Before RL, this many SFT steps (trl.SFTTrainer) on the gold conversations of the "
-            "training tasks (recipe_utils/warm_start.py). 0: no warm start."
+            "help": "Before RL, this many SFT steps (TreeSFTTrainer; with --no_tree stock trl.SFTTrainer) on "
+            "the gold conversations of the training tasks (recipe_utils/warm_start.py). 0: no warm start."
         },
     )
     warm_start_learning_rate: float = field(
@@ -179,7 +183,7 @@ class ScriptArguments:
     model_cache_dir: str | None = field(
         default=None,
         metadata={
-            "help": f"Where --model_name_or_path {OFFLINE_SMOLLM2} is cached (default: $TRL_DTA_CACHE, else "
+            "help": f"Where --model_name_or_path {OFFLINE_SMOLLM2} is cached (unset: $TRL_DTA_CACHE, else "
             "$XDG_CACHE_HOME/trl_dta or ~/.cache/trl_dta)."
         },
     )

@@ -24,13 +24,13 @@ On a CPU (recipes/configs/ppo_tau2_async_mock_cpu.yaml): `vllm serve` and `trl v
 with vLLM's CPU build, `python -m vllm.entrypoints.openai.api_server` does (the config's header).
 
 Configured the TRL way (`TrlParser`: this file's `ScriptArguments`, `AsyncTreePPOConfig`, and TRL's
-`ModelConfig`'s model and LoRA fields). The script arguments are recipes/ppo_tau2.py's (task, user, reward,
-`--tool_latency`), less
-what needs the model in this process before training: `--warm_start_steps` (the server already serves the
-model: warm-start with recipes/sft_tau2.py, then serve and train the result), `--no_tree` (stock
-`AsyncGRPOTrainer` needs its FA3 kernel from a kernel hub) and `--greedy_eval_steps` (held-out success is
-measured once, after training, with `--greedy_eval`). recipes/README.md ("Asynchronous training") has the
-details; benchmarks/async_overlap.py measures what the overlap buys.
+`ModelConfig`'s model, attention and LoRA fields; `--attn_implementation` is the walk's attention here,
+another name for `--tree_attn_implementation`). The script arguments are recipes/ppo_tau2.py's (task, user,
+reward, `--tool_latency`), less what needs the model in this process before training: `--warm_start_steps`
+(the server already serves the model: warm-start with recipes/sft_tau2.py, then serve and train the result),
+`--no_tree` (stock `AsyncGRPOTrainer` needs its FA3 kernel from a kernel hub) and `--greedy_eval_steps`
+(held-out success is measured once, after training, with `--greedy_eval`). recipes/README.md ("Asynchronous
+training") has the details; benchmarks/async_overlap.py measures what the overlap buys.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -60,6 +60,7 @@ from ppo_tau2 import setup_logging  # noqa: E402
 from recipe_utils.offline_model import OFFLINE_SMOLLM2  # noqa: E402
 
 from trl_dta import AsyncTreePPOConfig  # noqa: E402
+from trl_dta.walk.checks import SUPPORTED_ATTENTION  # noqa: E402
 
 logger = logging.getLogger("ppo_tau2")
 
@@ -70,22 +71,48 @@ def _squeeze_target_modules(self):  # as ModelConfig: one name given on the comm
 
 
 # TRL's ModelConfig, less what AsyncTreePPOConfig owns or this recipe does not use: `dtype` (the config's own
-# `--dtype` loads the model), `attn_implementation` (`--tree_attn_implementation`), quantisation.
+# `--dtype` loads the model), quantisation. `--attn_implementation` is kept, as recipes/ppo_tau2.py has it,
+# but names the walk's attention (`--tree_attn_implementation`: TRL's async trainer loads the model with its
+# own kernel, which AsyncTreePPOTrainer replaces): `use_attention` maps it.
+_ATTENTION = dataclasses.field(
+    default=None,
+    metadata={
+        "help": "Attention of the policy, as in recipes/ppo_tau2.py: here another name for "
+        f"--tree_attn_implementation, one of {SUPPORTED_ATTENTION} (unset: --tree_attn_implementation's)."
+    },
+)
+_KEPT = ("model_name_or_path", "model_revision", "attn_implementation", "use_peft", "use_rslora", "use_dora")
 ModelArguments = dataclasses.make_dataclass(
     "ModelArguments",
     [
-        (f.name, f.type, f)
+        (f.name, f.type, _ATTENTION if f.name == "attn_implementation" else f)
         for f in dataclasses.fields(ModelConfig)
-        if f.name in ("model_name_or_path", "model_revision", "use_peft", "use_rslora", "use_dora")
-        or f.name.startswith("lora_")
-    ],  # fmt: skip
-    namespace={"__post_init__": _squeeze_target_modules, "__doc__": "TRL's ModelConfig: the model and LoRA."},
+        if f.name in _KEPT or f.name.startswith("lora_")
+    ],
+    namespace={
+        "__post_init__": _squeeze_target_modules,
+        "__doc__": "TRL's ModelConfig: the model, its attention and LoRA.",
+    },
 )
 
 
 @dataclass
 class ScriptArguments(SyncScriptArguments):
     """recipes/ppo_tau2.py's arguments; those that need the model before training are refused."""
+
+    # (their help says so: inherited, it would describe what recipes/ppo_tau2.py does with them)
+    warm_start_steps: int = field(
+        default=0,
+        metadata={"help": "Refused here: warm-start with recipes/sft_tau2.py, then serve the result."},
+    )
+    no_tree: bool = field(
+        default=False,
+        metadata={"help": "Refused here: stock AsyncGRPOTrainer needs its kernel-hub FA3 kernel."},
+    )
+    greedy_eval_steps: int = field(
+        default=0,
+        metadata={"help": "Refused here: --greedy_eval measures held-out success once, after training."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -136,6 +163,26 @@ def check_settings(script_args: ScriptArguments, training_args, model_args: Mode
         )
 
 
+def use_attention(training_args, model_args: ModelArguments) -> None:
+    """``--attn_implementation``, given, is the walk's attention: it sets ``tree_attn_implementation``
+    (refused if that names another one: give one of the two)."""
+    attention = model_args.attn_implementation
+    if attention is None:
+        return
+    if attention not in SUPPORTED_ATTENTION:
+        raise ValueError(
+            f"--attn_implementation {attention!r} is not supported by the tree walk; use one of "
+            f"{SUPPORTED_ATTENTION}."
+        )
+    default = AsyncTreePPOConfig.tree_attn_implementation
+    if training_args.tree_attn_implementation not in (default, attention):
+        raise ValueError(
+            f"--attn_implementation {attention} and --tree_attn_implementation "
+            f"{training_args.tree_attn_implementation}: both name the walk's attention here; give one."
+        )
+    training_args.tree_attn_implementation = attention
+
+
 def main(script_args: ScriptArguments, training_args, model_args: ModelArguments, callbacks=None) -> dict:
     """Train; return a summary. ``callbacks``: more ``TrainerCallback``s (benchmarks/async_overlap.py's)."""
     from recipe_utils.evaluation import greedy_success, saved_policy
@@ -147,6 +194,7 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelArguments
     from trl_dta.envs.tau2.synthetic import add_mock_create_tasks, synthetic_mock_environment
 
     check_settings(script_args, training_args, model_args)
+    use_attention(training_args, model_args)
     setup_logging(training_args)
     started = time.perf_counter()
 

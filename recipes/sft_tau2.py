@@ -64,7 +64,8 @@ class ScriptArguments:
 
     domain: str = field(default="retail", metadata={"help": "τ² domain.", "choices": list(DOMAINS)})
     max_tasks: int | None = field(
-        default=None, metadata={"help": "Train on at most this many tasks of the train split (default: all)."}
+        default=None,
+        metadata={"help": "Train on at most this many tasks of the train split, a seeded draw (unset: all)."},
     )
     write_only: bool = field(
         default=False, metadata={"help": "Keep only tasks whose gold answer writes to the database."}
@@ -85,7 +86,11 @@ class ScriptArguments:
         default=False, metadata={"help": "Train with stock trl.SFTTrainer (same settings) instead (A/B)."}
     )
     model_cache_dir: str | None = field(
-        default=None, metadata={"help": "Where the offline SmolLM2 checkpoint is converted to (once)."}
+        default=None,
+        metadata={
+            "help": f"Where --model_name_or_path {OFFLINE_SMOLLM2} is cached (unset: $TRL_DTA_CACHE, else "
+            "$XDG_CACHE_HOME/trl_dta or ~/.cache/trl_dta)."
+        },
     )
 
     def __post_init__(self):

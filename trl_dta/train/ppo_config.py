@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .tree_args import TreeArguments
+from .tree_args import TreeArguments, check_flag
 
 
 @dataclass
@@ -47,11 +47,18 @@ class TreePPOConfig(TreeArguments, GRPOConfig):
 
     tree_lexicographic_steps: bool = field(
         default=False,
-        metadata={"help": "Give each optimizer step a contiguous lexicographic run of the generation batch."},
+        metadata={
+            "help": "Cut each generation batch into micro-batches in lexicographic order instead of TRL's "
+            "shuffle: each optimizer step gets whole groups (matters when steps_per_generation > "
+            "gradient_accumulation_steps)."
+        },
     )
     tree_gather_per_layer: bool = field(
         default=False,
-        metadata={"help": "FSDP2: gather each decoder layer per call (memory) instead of once per step."},
+        metadata={
+            "help": "FSDP2: gather each decoder layer for its own calls (less memory, more gathers) instead "
+            "of the whole model once per walk."
+        },
     )
     disable_dropout: bool = field(
         default=True, metadata={"help": "Disable dropout (required for exactness)."}
@@ -63,3 +70,5 @@ class TreePPOConfig(TreeArguments, GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()  # (TreeArguments checks the shared options)
+        check_flag("tree_lexicographic_steps", self.tree_lexicographic_steps)
+        check_flag("tree_gather_per_layer", self.tree_gather_per_layer)

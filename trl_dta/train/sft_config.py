@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
-from .tree_args import TreeArguments
+from .tree_args import TreeArguments, check_flag
 
 
 @dataclass
@@ -40,7 +40,11 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
     """
 
     tree_token_accuracy: bool = field(
-        default=True, metadata={"help": "Log mean_token_accuracy (one more no-graph forward of the trie)."}
+        default=True,
+        metadata={
+            "help": "Log mean_token_accuracy: one more forward of the trie, without a graph "
+            "(--no_tree_token_accuracy skips it)."
+        },
     )
     disable_dropout: bool = field(
         default=True, metadata={"help": "Disable dropout (required for exactness)."}
@@ -49,3 +53,7 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
         default=False,
         metadata={"help": "Not needed by the tree walk; if on, it is suspended during the walk."},
     )
+
+    def __post_init__(self):
+        super().__post_init__()  # (TreeArguments checks the shared options)
+        check_flag("tree_token_accuracy", self.tree_token_accuracy)

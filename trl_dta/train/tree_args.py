@@ -1,4 +1,5 @@
-"""The tree walk's options shared by :class:`~trl_dta.TreePPOConfig` and :class:`~trl_dta.TreeSFTConfig`.
+"""The tree walk's options shared by :class:`~trl_dta.TreePPOConfig`, :class:`~trl_dta.AsyncTreePPOConfig` and
+:class:`~trl_dta.TreeSFTConfig`.
 
 :class:`TreeArguments` is a dataclass mixin: a config lists it *before* its TRL parent
 (``class TreePPOConfig(TreeArguments, GRPOConfig)``) so that TRL's fields keep their order (``output_dir``
@@ -8,11 +9,14 @@ paper, which both trainers name as their ``_paper`` (TRL's model cards cite it).
 
 from __future__ import annotations
 
+import math
 import textwrap
 from dataclasses import dataclass, field
 
 from ..walk.budgets import Budgets
 from ..walk.checks import check_count
+from ..walk.errors import ArgumentTypeError
+from ..walk.memory_budget import parse_memory_budget
 
 _TITLE = "AReaL-DTA: Dynamic Tree Attention for Efficient Reinforcement Learning of Large Language Models"
 PAPER = {
@@ -40,9 +44,17 @@ class TreeArguments:
             derived from it for each step's trie (`trl_dta.walk.budgets`): first the graph of the trie's
             longest path, so that nothing is forwarded twice, then the largest calls that fit. `"auto"`: on
             CUDA, 90% of the free memory at the first walk less what the first optimizer step will still
-            allocate (gradients, two Adam states); on CPU, the fixed budgets measured fastest on a 2-core
-            machine (block 2048, leaf batch 2048, subtree 512). `None`: those fixed budgets everywhere.
-            docs/memory.md has the memory model.
+            allocate (gradients, two Adam states) and what a colocated vLLM engine will claim; on CPU, the
+            fixed budgets measured fastest on a 2-core machine (block 2048, leaf batch 2048, subtree 512).
+            `None`: those fixed budgets everywhere. Accepted as typed in Python, a YAML file or on the command
+            line (strings case-insensitive, a space before the unit allowed): `"auto"`; `None`, `"none"` or
+            `"null"`; a number of bytes (`6e10`, `"8000000000"`); bytes with a decimal unit (`"8GB"`,
+            `"1.5TB"`, `"512MB"`: powers of 1000) or a binary one (`"8GiB"`, `"512MiB"`: powers of 1024); or
+            a percentage (`"80%"`, at most 100): `"auto"` with that share of the free memory instead of 90%
+            (on CUDA: the device memory free at the first walk, less the same; off CUDA, as `"auto"`, the
+            fixed budgets: give bytes to derive the budgets from a CPU's memory). Read by
+            :func:`~trl_dta.walk.memory_budget.parse_memory_budget`: bytes are kept as a float, a percentage
+            as its string (`"80%"`). docs/memory.md has the memory model.
         tree_block_size (`int` or `None`, defaults to `None`):
             Most tokens forwarded with an autograd graph kept on the walk's stack, and longest forwarded
             segment; given, it wins over `tree_memory_budget`. Longer paths use chunked backward (blocks
@@ -72,35 +84,58 @@ class TreeArguments:
             micro-batches) and raise if the tree walk's gradients differ (relative tolerance
             `tree_check_tolerance`). Costs one dense forward/backward of a step, once.
         tree_check_tolerance (`float`, defaults to 1e-3):
-            Largest allowed per-tensor ``max|tree - dense| / max|dense|`` for `tree_check_gradients`.
+            Largest allowed per-tensor ``max|tree - dense| / max|dense|`` for `tree_check_gradients` (a finite
+            number >= 0).
     """
 
     tree_memory_budget: float | str | None = field(
         default="auto",
-        metadata={"help": 'Walk memory, bytes ("auto": from free CUDA memory; None: fixed).'},
+        metadata={
+            "help": 'Activation memory of the walk: "auto" (90%% of the free CUDA memory at the first walk; '
+            "on CPU the fixed token budgets), None (the fixed budgets), bytes (6e10, 8GB, 8GiB, 512MiB) or a "
+            'share of the free CUDA memory ("80%%", as "auto").'
+        },
     )
     tree_block_size: int | None = field(
-        default=None, metadata={"help": "Tokens with a kept graph on the walk's stack (None: from memory)."}
+        default=None,
+        metadata={
+            "help": "Most tokens with a kept autograd graph on the walk's stack, and longest forwarded "
+            "segment; wins over tree_memory_budget (unset: derived from it)."
+        },
     )
     tree_batch_tokens: int | None = field(
-        default=None, metadata={"help": "Token budget for batching sibling leaves (None: from memory)."}
+        default=None,
+        metadata={
+            "help": "Most tokens of sibling leaves forwarded together (0: one leaf per call; unset: derived "
+            "from tree_memory_budget, or tree_block_size's when that is given and no memory budget applies)."
+        },
     )
     tree_subtree_tokens: int | None = field(
-        default=None, metadata={"help": "Pack subtrees of at most this many tokens into one call (0: off)."}
+        default=None,
+        metadata={
+            "help": "Most tokens of a subtree forwarded whole in one call with a tree-shaped mask, on "
+            "eager/sdpa (0: off; unset: derived from tree_memory_budget)."
+        },
     )
     tree_oom_retries: int = field(
-        default=3, metadata={"help": "Out of memory: walk again, budgets halved, this many times (0: off)."}
+        default=3,
+        metadata={"help": "Out of memory: walk the step again, budgets halved, this many times (0: off)."},
     )
     tree_check_gradients: bool = field(
         default=False,
-        metadata={"help": "Compare the first step's gradients with the dense path; raise if off."},
+        metadata={
+            "help": "On the first optimizer step, also compute its gradients densely (no tree) and raise if "
+            "the walk's differ by more than tree_check_tolerance."
+        },
     )
-    tree_check_tolerance: float = field(default=1e-3, metadata={"help": "Tolerance of tree_check_gradients."})
+    tree_check_tolerance: float = field(
+        default=1e-3,
+        metadata={"help": "tree_check_gradients: largest max|tree - dense| / max|dense| of any tensor."},
+    )
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.tree_memory_budget, str) and self.tree_memory_budget != "auto":
-            self.tree_memory_budget = float(self.tree_memory_budget)  # from the command line, e.g. "6e10"
+        self.tree_memory_budget = parse_memory_budget(self.tree_memory_budget, "tree_memory_budget")
         Budgets(  # (validates them: the walk's budgets are checked in one place)
             self.tree_memory_budget,
             self.tree_block_size,
@@ -109,3 +144,16 @@ class TreeArguments:
             prefix="tree_",
         )
         check_count("tree_oom_retries", self.tree_oom_retries)
+        check_flag("tree_check_gradients", self.tree_check_gradients)
+        tolerance = self.tree_check_tolerance
+        if isinstance(tolerance, bool) or not isinstance(tolerance, int | float):
+            raise ArgumentTypeError(f"tree_check_tolerance must be a number >= 0 (1e-3), got {tolerance!r}")
+        if not 0 <= tolerance < math.inf:  # (NaN fails too)
+            raise ValueError(f"tree_check_tolerance must be a finite number >= 0 (1e-3), got {tolerance}")
+
+
+def check_flag(name: str, value) -> None:
+    """A ``tree_*`` switch must be a bool (``--name``, ``--name false`` on the command line): a string such as
+    ``"false"`` given in Python would read as true."""
+    if not isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")

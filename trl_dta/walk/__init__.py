@@ -12,6 +12,7 @@ K/V in one buffer per layer), ``packing.py`` (positions and mask of a packed row
 ``preflight.py`` (every refusal that needs no sequence, run before the first walk),
 ``errors.py`` (:class:`UnsupportedModelError`, out-of-memory errors). Around the walk: ``budgets.py``
 (:class:`~trl_dta.walk.budgets.Budgets`: the token budgets, from a memory budget, halved and grown back),
+``memory_budget.py`` (the memory budget as users type it: "auto", None, "8GiB", "80%"),
 ``costs.py`` (what a call costs: which calls the plan merges), ``recovery.py`` (a walk that runs out of
 memory, walked again with halved budgets), ``peak.py`` (the memory a walk peaks at), ``sharding.py`` and
 ``lockstep.py`` (FSDP2: gather once, or per layer with every rank's calls in step), ``flops.py`` (the

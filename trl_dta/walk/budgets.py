@@ -43,6 +43,7 @@ import torch
 from .checks import check_count
 from .costs import device_costs
 from .errors import ArgumentTypeError
+from .memory_budget import memory_share, parse_memory_budget
 
 logger = logging.getLogger(__name__)
 
@@ -183,13 +184,15 @@ def measure_free_memory(model: torch.nn.Module, device: torch.device) -> tuple[f
 
 
 def auto_memory_bytes(free: float, later: float, reserved: float = 0, fraction: float = AUTO_FRACTION):
-    """``memory_budget="auto"``'s bytes: ``fraction`` of the ``free`` bytes measured less the ``reserved``
-    ones (another user of the device, such as a colocated vLLM engine, will claim them), less the ``later``
-    bytes the first optimizer step will allocate (:func:`measure_free_memory`)."""
+    """``memory_budget="auto"``'s bytes (and a percentage's, its ``fraction``): ``fraction`` of the ``free``
+    bytes measured less the ``reserved`` ones (another user of the device, such as a colocated vLLM engine,
+    will claim them), less the ``later`` bytes the first optimizer step will allocate
+    (:func:`measure_free_memory`)."""
     budget = fraction * (free - reserved) - later
     if budget <= 0:
         raise RuntimeError(
-            f"memory_budget='auto': {free / 2**30:.2f} GiB free, less {reserved / 2**30:.2f} GiB reserved "
+            f"memory budget ('auto', or a percentage): {free / 2**30:.2f} GiB free, less "
+            f"{reserved / 2**30:.2f} GiB reserved "
             f"for other users of the device, of which {fraction:.0%} leaves nothing after the first "
             f"optimizer step's gradients and Adam states ({later / 2**30:.2f} GiB); pass memory_budget in "
             "bytes, or the token budgets."
@@ -235,14 +238,17 @@ class Budgets:
         memory_budget: bytes of activation memory a walk may use (the budgets not given are derived from it
             for each trie, :func:`token_budgets`); "auto": on CUDA, ``AUTO_FRACTION`` of the free memory
             measured at the first walk, less ``reserved_bytes`` and the first optimizer step's gradients and
-            Adam states; elsewhere, and with None, the fixed budgets :data:`FIXED`.
+            Adam states; a percentage ("80%"): as "auto" with that share instead; elsewhere, and with None,
+            the fixed budgets :data:`FIXED`. Given as users type it (``"8GiB"``, ``"6e10"``, ``"none"``: every
+            form :func:`~trl_dta.walk.memory_budget.parse_memory_budget` reads); kept canonical in
+            :attr:`memory_budget`.
         block_size, batch_tokens, subtree_tokens: budgets given by hand (None: derived), as
             :class:`~trl_dta.walk.executor.TreeExecutor` documents them. A block given without a memory
             budget that applies also sets the leaf batch, as before memory budgets.
         reserved_bytes: bytes another user of the device will claim while the walks run or right after them
             (a colocated vLLM engine that sleeps during training: ``vllm_gpu_memory_utilization`` x the
-            device's memory); "auto" takes them off the free memory it measures. Ignored by a memory budget
-            given in bytes. :meth:`reserve` changes them later.
+            device's memory); "auto" and a percentage take them off the free memory they measure. Ignored by
+            a memory budget given in bytes. :meth:`reserve` changes them later.
         prefix: how the caller spells the options in error messages ("tree_" for the trainers' configs).
 
     Invalid options raise a ``ValueError`` (a wrong type: :class:`~trl_dta.walk.errors.ArgumentTypeError`,
@@ -260,17 +266,7 @@ class Budgets:
         prefix: str = "",
     ):
         self._prefix = prefix
-        if not (memory_budget is None or memory_budget == "auto"):
-            if (
-                isinstance(memory_budget, bool)
-                or not isinstance(memory_budget, int | float)
-                or not (0 < memory_budget < math.inf)
-            ):
-                raise ValueError(
-                    f'{prefix}memory_budget must be "auto", None or a positive number of bytes, got '
-                    f"{memory_budget!r}"
-                )
-        self.memory_budget = memory_budget
+        self.memory_budget = parse_memory_budget(memory_budget, f"{prefix}memory_budget")  # (canonical)
         self._given = self._check_given(block_size, batch_tokens, subtree_tokens)
         self.reserved_bytes = _reserved(f"{prefix}reserved_bytes", reserved_bytes)
         self.in_use: TokenBudgets | None = None  # those of the last walk
@@ -316,13 +312,14 @@ class Budgets:
         """The memory budget in bytes for a walk of ``model`` on ``device`` (None: the fixed budgets)."""
         if self.memory_budget is None:
             return None
-        if self.memory_budget != "auto":
+        share = AUTO_FRACTION if self.memory_budget == "auto" else memory_share(self.memory_budget)
+        if share is None:
             self.memory = float(self.memory_budget)
         else:
             if self._measured is None:  # (once: later, the walks' own memory is in use)
                 self._measured = measure_free_memory(model, device)
-            measured = self._measured
-            self.memory = None if measured is None else auto_memory_bytes(*measured, self.reserved_bytes)
+            measured, reserved = self._measured, self.reserved_bytes
+            self.memory = None if measured is None else auto_memory_bytes(*measured, reserved, share)
         return self.memory
 
     def derive(self, trie, lm, entropy_grad: bool = True) -> TokenBudgets:

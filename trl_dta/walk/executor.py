@@ -98,9 +98,11 @@ class TreeExecutor:
         memory_budget: bytes of activation memory a walk may use; the budgets not given are derived from it
             for each trie (:mod:`trl_dta.walk.budgets`: the longest path's graph first, so that nothing is
             forwarded twice, then the largest calls that fit). "auto": on CUDA, ``AUTO_FRACTION`` of the free
-            memory at the first walk less the first optimizer step's gradients and Adam states; elsewhere,
-            and with None, the fixed budgets measured fastest on CPU (:data:`~trl_dta.walk.budgets.FIXED`).
-            The LM head scores at most ``HEAD_ROWS`` positions at once.
+            memory at the first walk less the first optimizer step's gradients and Adam states; a percentage
+            ("80%"): that share instead; elsewhere, and with None, the fixed budgets measured fastest on CPU
+            (:data:`~trl_dta.walk.budgets.FIXED`). Strings as users type them ("8GiB", "6e10", "none"):
+            :func:`~trl_dta.walk.memory_budget.parse_memory_budget`. The LM head scores at most ``HEAD_ROWS``
+            positions at once.
         oom_retries: a walk that runs out of memory (``torch.OutOfMemoryError``, ``MemoryError``) is walked
             again with every budget it used halved, up to this many times, its partial gradients discarded;
             the smaller budgets stay for later walks and grow back after a while

@@ -1,0 +1,84 @@
+"""The memory budget as users type it: ``parse_memory_budget`` reads every accepted form into one canonical
+value, for :class:`~trl_dta.walk.budgets.Budgets` and the trainers' configs alike (one implementation).
+
+Accepted forms (strings case-insensitive, spaces around the number and unit allowed)::
+
+    "auto"                          the walk measures the free device memory (90% of it: Budgets)
+    None, "none", "None", "null"    no memory budget: the fixed token budgets
+    6e10, 8000000000, "6e10"        bytes
+    "8GB", "1.5TB", "512 MB", "8kB" bytes in decimal units (powers of 1000)
+    "8GiB", "512MiB", "4 KiB"       bytes in binary units (powers of 1024)
+    "80%"                           that share of the device memory free at the first walk, as "auto"
+
+The canonical values: None, ``"auto"``, a float of bytes, or a percentage string such as ``"80%"`` (kept as
+typed, so a saved config reads back the same; :func:`memory_share` gives its fraction).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .errors import ArgumentTypeError
+
+UNITS = {
+    "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
+}  # fmt: skip
+NONE_WORDS = ("none", "null")
+FORMS = (
+    '"auto" (the free device memory), None (also "none"/"null": the fixed token budgets), a number of bytes '
+    "(6e10, 8000000000), bytes with a unit (8GB, 1.5TB, 512MB: powers of 1000; 8GiB, 512MiB: powers of "
+    '1024), or a share of the device memory free at the first walk ("80%")'
+)
+_NUMBER = r"(?P<number>(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?)"
+_WITH_UNIT = re.compile(rf"{_NUMBER}\s*(?P<unit>[kmgtp]?i?b)", re.IGNORECASE)
+_PERCENT = re.compile(rf"{_NUMBER}\s*%", re.IGNORECASE)
+
+
+def _refuse(name: str, value, error: type[Exception] = ValueError) -> Exception:
+    return error(f"{name} must be {FORMS}; got {value!r}")
+
+
+def parse_memory_budget(value, name: str = "memory_budget") -> float | str | None:
+    """``value`` (a memory budget as given in Python, a YAML file or on the command line) as its canonical
+    value: None, ``"auto"``, a positive float of bytes, or a percentage string ``"<p>%"`` with ``0 < p <=
+    100``. Anything else raises a ``ValueError`` naming the option (``name``) and the accepted forms (a wrong
+    type: :class:`~trl_dta.walk.errors.ArgumentTypeError`, a ``TypeError`` too)."""
+    given = value
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise _refuse(name, value, ArgumentTypeError)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in NONE_WORDS:
+            return None
+        if text.lower() == "auto":
+            return "auto"
+        percent = _PERCENT.fullmatch(text)
+        if percent:
+            share = float(percent["number"])
+            if not 0 < share <= 100:
+                raise _refuse(name, value)
+            return f"{share:g}%"
+        with_unit = _WITH_UNIT.fullmatch(text)
+        if with_unit and with_unit["unit"].lower() in UNITS:
+            value = float(with_unit["number"]) * UNITS[with_unit["unit"].lower()]
+        else:
+            try:
+                value = float(text)
+            except ValueError:
+                raise _refuse(name, given) from None
+    if not 0 < value < math.inf:  # (NaN fails too)
+        raise _refuse(name, given)
+    return float(value)
+
+
+def memory_share(budget: float | str | None) -> float | None:
+    """The fraction of the free device memory a canonical percentage budget (``"80%"``) names; None for any
+    other canonical value."""
+    if isinstance(budget, str) and budget.endswith("%"):
+        return float(budget[:-1]) / 100
+    return None
