@@ -5,8 +5,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
-# torch goes in FIRST: an unpinned torch would pull the multi-GB CUDA build. 2.13.0 is a CPU build on the
-# project's machines. Set TORCH_SPEC= (empty) to keep whatever torch the venv already has.
+# torch goes in FIRST: an unpinned torch would pull the multi-GB CUDA build. 2.13.0 is the supported floor
+# (pyproject.toml) and a CPU build on the project's machines. Set TORCH_SPEC= (empty) to keep whatever torch the
+# venv already has.
 TORCH_SPEC ?= torch==2.13.0
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k trie -x"`.
 PYTEST_ARGS ?=
