@@ -133,7 +133,7 @@ test-vllm: venv-vllm
 # ---- the asynchronous trainer's install as a user makes it (README "Install"): a throwaway venv in a temporary
 # folder, torch, then the project with the README's line for AsyncTreePPOTrainer (`pip install -e ".[async]"`,
 # no upgrade of pip, nothing else); .ci/async_install_check.py then builds the trainer there against a model
-# directory (no vLLM, no server). tests/test_install.py checks that the README documents this line. ~2 min.
+# directory (no vLLM, no server). tests/test_install.py checks that the README documents this line. 70-82 s here.
 ASYNC_INSTALL_EXTRAS ?= async
 .PHONY: test-install
 
