@@ -142,8 +142,8 @@ class StepWalker:
 
     def reserve(self, reserved_bytes: float) -> None:
         """Bytes another user of the device claims while the walks run or right after them (a colocated vLLM
-        engine): ``tree_memory_budget="auto"`` (or a percentage) takes them off the free memory it measures, for every
-        executor (:class:`~trl_dta.walk.budgets.Budgets`)."""
+        engine): ``tree_memory_budget="auto"`` (or a percentage) takes them off the free memory it measures,
+        for every executor (:class:`~trl_dta.walk.budgets.Budgets`)."""
         self.reserved_bytes = reserved_bytes
         for executor in self.executors.values():
             executor.budgets.reserve(reserved_bytes)
