@@ -23,7 +23,7 @@ from trl_dta.testing.async_grpo import NoWeightTransfer, QueueWorker
 from trl_dta.testing.grpo import make_config, make_dataset, reward_fn, tiny_model, tiny_tokenizer
 from trl_dta.testing.sft import make_sft_config, tool_conversations
 
-SLIDING = dict(sliding_window=64, use_sliding_window=True, max_window_layers=0,
+SLIDING = dict(sliding_window=16, use_sliding_window=True, max_window_layers=0,
                layer_types=["sliding_attention", "sliding_attention"])  # fmt: skip
 
 
@@ -67,6 +67,7 @@ def custom_attention():
     """An attention registered through transformers' AttentionInterface (sdpa under another name)."""
     AttentionInterface.register("my_attention", sdpa_attention_forward)
     yield "my_attention"
+    AttentionInterface._global_mapping.pop("my_attention", None)
 
 
 @pytest.mark.parametrize("kind", ["ppo", "sft"])
@@ -85,10 +86,20 @@ def test_an_attention_backend_the_walk_does_not_run_async(tmp_path, custom_atten
 
 @pytest.mark.parametrize("kind", ["ppo", "sft", "async"])
 def test_a_sliding_window_shorter_than_the_sequences(tmp_path, kind):
+    """PPO: max_completion_length after a prompt of one token or more; SFT: the longest tokenized sample
+    (each of the SFT fixture's samples is longer than the 16-token window; max_length truncates them)."""
     length = {LENGTH[kind]: 128}
-    with pytest.raises(UnsupportedModelError, match=rf"sliding window \(64 tokens\).*Lower {LENGTH[kind]}"):
+    with pytest.raises(UnsupportedModelError, match=rf"sliding window \(16 tokens\).*Lower {LENGTH[kind]}"):
         TRAINERS[kind](tmp_path, tiny_model(**SLIDING), **length)
-    TRAINERS[kind](tmp_path / "fits", tiny_model(**SLIDING), **{LENGTH[kind]: 48})
+    TRAINERS[kind](tmp_path / "fits", tiny_model(**SLIDING), **{LENGTH[kind]: 12})
+
+
+def test_sft_samples_shorter_than_a_window_train_whatever_max_length_allows(tmp_path):
+    """SFT knows its samples when it is built: a window longer than every tokenized sample is fine, even
+    where max_length (TRL's default 1024) would allow longer ones."""
+    window = dict(SLIDING, sliding_window=600)  # (the longest sample: 578 tokens)
+    trainer = sft(tmp_path, tiny_model(**window), max_length=1024)
+    assert trainer.args.max_length == 1024
 
 
 @pytest.mark.parametrize("kind", ["ppo", "sft", "async"])
@@ -126,14 +137,14 @@ def gpt2(tokenizer, positions: int):
 def test_sequences_longer_than_learned_positions(tmp_path, kind):
     tokenizer = tiny_tokenizer()
     with pytest.raises(ValueError, match=rf"learned position embeddings cover; lower {LENGTH[kind]}"):
-        TRAINERS[kind](tmp_path, gpt2(tokenizer, positions=64), tokenizer, **{LENGTH[kind]: 100})
+        TRAINERS[kind](tmp_path, gpt2(tokenizer, positions=16), tokenizer, **{LENGTH[kind]: 100})
 
 
 @pytest.mark.parametrize("kind", ["ppo", "sft", "async"])
 def test_dynamic_rope_past_its_original_context(tmp_path, kind):
     rope = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
-    model = tiny_model(rope_parameters=rope, max_position_embeddings=64)
-    with pytest.raises(UnsupportedModelError, match=r"original context \(64\) with 'dynamic' RoPE"):
+    model = tiny_model(rope_parameters=rope, max_position_embeddings=16)
+    with pytest.raises(UnsupportedModelError, match=r"original context \(16\) with 'dynamic' RoPE"):
         TRAINERS[kind](tmp_path, model, **{LENGTH[kind]: 100})
 
 
@@ -168,14 +179,33 @@ def test_a_model_that_ignores_the_cache_is_refused_by_the_probe_at_construction(
             TRAINERS[kind](tmp_path / kind, model)
 
 
-def test_a_reference_model_is_checked_too(tmp_path, model_dir, custom_attention):
+def test_a_reference_model_is_checked_too(tmp_path, model_dir, custom_attention, monkeypatch):
     """With beta > 0 TRL loads a reference model from the policy's path; the walk computes its log-probs,
-    so it is checked at construction like the policy."""
+    so it is checked when the trainer is built, like the policy (here its attention is one the walk does
+    not run)."""
+    import trl.trainer.grpo_trainer as grpo
     from transformers import AutoModelForCausalLM
 
+    load = grpo.create_model_from_path
+
+    def reference(*args, **kwargs):
+        model = load(*args, **kwargs)
+        model.config._attn_implementation = custom_attention
+        return model
+
+    monkeypatch.setattr(grpo, "create_model_from_path", reference)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
-    trainer = ppo(tmp_path, policy, beta=0.1)
-    assert trainer.ref_model is not None
-    trainer.ref_model.config._attn_implementation = custom_attention
     with pytest.raises(UnsupportedModelError, match="my_attention"):
-        trainer._walker.check_models(trainer.model, trainer.ref_model)
+        ppo(tmp_path, policy, beta=0.1)
+
+
+def test_a_model_not_yet_on_its_device_is_checked_without_forwards():
+    """Under DeepSpeed or FSDP a model loaded on the CPU reaches its GPU only when the Trainer prepares it:
+    its structure is checked when built, the probe's forwards wait for the first walk, on the device."""
+    from trl_dta.walk.preflight import preflight
+
+    preflight(tiny_model(attn="flex_attention"), probe=False)  # (flex attention runs on CUDA)
+    with pytest.raises(UnsupportedModelError, match="my_attention"):
+        model = tiny_model()
+        model.config._attn_implementation = "my_attention"
+        preflight(model, probe=False)

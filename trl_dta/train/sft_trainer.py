@@ -104,8 +104,9 @@ class TreeSFTTrainer(SFTTrainer):
         self._walker = StepWalker(self.args, self.accelerator, self.model)
         self._tree_accuracy = getattr(self.args, "tree_token_accuracy", TreeSFTConfig.tree_token_accuracy)
         self._tree_step: _Step | None = None
+        length = sample_length(self.args, self.train_dataset, self.eval_dataset)
         self._walker.check_models(  # (before any step: what the first walk would refuse)
-            self.model, tokenizer=self.processing_class, length=sample_length(self.args),
+            self.model, tokenizer=self.processing_class, length=length,
             disable_dropout=getattr(self.args, "disable_dropout", TreeSFTConfig.disable_dropout),
         )  # fmt: skip
 

@@ -159,15 +159,22 @@ class StepWalker:
         length = length or LengthBound(None)
         models, size = [m for m in (policy, *others) if m is not None], tokenizer_size(tokenizer)
         for k, model in enumerate(models):
+            self.flow.register(model)  # (DeepSpeed: a reference model's engine, its hooks off in the probe)
             preflight(
                 unwrap(model), lm_head_fp32=self.options["lm_head_fp32"], tokenizer_size=size,
                 max_length=length.tokens, length_setting=length.setting, option=length.option,
-                training=k == 0 and not disable_dropout,
+                training=k == 0 and not disable_dropout, probe=self._placed(unwrap(model)),
             )  # fmt: skip
         if disable_dropout:
             self.disable_randomness(policy, *others)
-        else:
+        elif self._placed(unwrap(policy)):
             self._check_deterministic(unwrap(policy))
+
+    def _placed(self, module) -> bool:
+        """Whether ``module``'s weights are where it will walk (the accelerator's device kind): not under
+        DeepSpeed or FSDP before their preparation moves a model loaded on the CPU, nor on the meta device."""
+        kind = self.accelerator.device.type
+        return all(p.device.type == kind for p in module.parameters())
 
     def disable_randomness(self, policy, *others) -> list[str]:
         """``disable_dropout``: zero every dropout probability and noise scale of ``policy`` and ``others``
@@ -178,14 +185,13 @@ class StepWalker:
         changed = [c for m in (policy, *others) if m is not None for c in disable_randomness(unwrap(m))]
         if changed:
             logger.info("disable_dropout: set to 0: %s", ", ".join(changed))
-        self._check_deterministic(unwrap(policy))
+        if self._placed(unwrap(policy)):  # (elsewhere: the executor checks at its first call, on the device)
+            self._check_deterministic(unwrap(policy))
         return changed
 
     @staticmethod
     def _check_deterministic(policy) -> None:
         """Two forwards of the same input in train mode must agree (the settings named if not)."""
-        if any(p.is_meta for p in policy.parameters()):
-            return  # weights on rank 0 only (FSDP's cpu_ram_efficient_loading): the probe checks
         base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
         modes = [(m, m.training) for m in policy.modules()]
         policy.train()

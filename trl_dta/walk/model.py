@@ -150,7 +150,7 @@ class CausalLM:
         # layers would carry one leaf's state into the next leaf of a packed row.
         impl = getattr(self.config, "_attn_implementation", None) or "eager"
         self.block_sparse = impl == "flex_attention"  # packed rows take a BlockMask (packing.py)
-        if self.block_sparse and self.device.type == "cpu":
+        if self.block_sparse and self.device.type == "cpu" and self._probed:  # (unprobed: not placed yet)
             raise UnsupportedModelError(
                 "attn_implementation='flex_attention' is supported on CUDA only: torch's flex attention has "
                 "no backward on CPU, and its compiled CPU kernels failed on the walk's calls (torch 2.13). "

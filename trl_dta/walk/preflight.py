@@ -21,7 +21,8 @@ What only the first walk can refuse, because it depends on the data: a sequence 
 setting bounds its length (a prompt, when nothing truncates prompts), a token id past the vocabulary where
 the tokenizer fits (a dataset tokenized with another tokenizer), a sequence shorter than two tokens. A model
 whose weights are not on this process (the meta device: FSDP's ``cpu_ram_efficient_loading`` loads them on
-rank 0 only) has its structure checked now and is probed at its first walk.
+rank 0 only), or that is not yet on the device it will run on (a trainer's DeepSpeed or FSDP preparation
+moves it there later), has its structure checked now and is probed at its first walk.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def preflight(
     length_setting: str = "",
     option: str = "the sequences' length",
     training: bool = False,
+    probe: bool = True,
 ) -> None:
     """Refuse now what a walk of ``model`` would refuse at its first call whatever the data (module
     docstring), raising the walk's own errors (:class:`~trl_dta.UnsupportedModelError` or ``ValueError``).
@@ -55,9 +57,12 @@ def preflight(
         option: the setting to lower, for the message (e.g. ``"max_length"``).
         training: the model will train: randomness left on by a setting is refused (its mode now does not
             matter; a trainer puts it in train mode later).
+        probe: run the probe's forwards now; False where the model is not yet on the device it will walk on
+            (a trainer whose DeepSpeed or FSDP preparation moves it later): its structure is checked now, and
+            the first walk probes it where it runs. A model on the meta device is never probed here.
     """
     materialized = not any(p.is_meta for p in model.parameters())
-    lm = CausalLM(model, lm_head_fp32=lm_head_fp32, probe=materialized)
+    lm = CausalLM(model, lm_head_fp32=lm_head_fp32, probe=probe and materialized)
     if tokenizer_size is not None:
         checks.check_tokenizer_size(int(tokenizer_size), lm.vocab_size)
     if max_length is not None:
