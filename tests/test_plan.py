@@ -164,6 +164,8 @@ def test_negative_subtree_tokens_rejected():
 class _Head:
     """A stand-in LM head: logits = hidden @ W (what score_rows calls as lm.logits)."""
 
+    value_head = False  # (a CausalLM's: an LM head, not a value model's)
+
     def __init__(self, dim, vocab):
         self.w = torch.randn(dim, vocab, dtype=torch.float64)
 

@@ -91,7 +91,9 @@ def _has_qk_norm(config) -> bool:
     return config.model_type.split("_")[0] in ("qwen3", "olmo2", "olmo3", "gemma3", "cohere2")
 
 
-def activation_bytes(config, dtype: torch.dtype, entropy_grad: bool = True) -> ActivationBytes:
+def activation_bytes(
+    config, dtype: torch.dtype, entropy_grad: bool = True, outputs: int | None = None
+) -> ActivationBytes:
     """Per-token bytes of a walk through a model of ``config`` (a ``transformers`` config; multimodal ones
     give their text config) in ``dtype``, counted as PyTorch's autograd saves them in a pre-norm decoder
     layer (RMSNorm, attention, gated MLP; MoE: the routed experts' share):
@@ -103,7 +105,8 @@ def activation_bytes(config, dtype: torch.dtype, entropy_grad: bool = True) -> A
     * K/V: in the path buffer (``position``), ``2 e kv`` per layer, with a float32 gradient ``8 kv``.
 
     The LM head saves its float32 log-softmax (``4 V`` per scored token, ``8 V`` when entropies have a
-    gradient) and, while a call scores its rows, the logits and their gradient (``8 V``)."""
+    gradient) and, while a call scores its rows, the logits and their gradient (``8 V``). ``outputs``: the
+    head's width ``V`` where it is not the vocabulary (1: a value model's head)."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     e = torch.empty((), dtype=dtype).element_size()
     d = config.hidden_size
@@ -122,7 +125,7 @@ def activation_bytes(config, dtype: torch.dtype, entropy_grad: bool = True) -> A
     if _has_qk_norm(config):
         layer += (4 + e) * (q + kv)
     layers = config.num_hidden_layers
-    vocab = config.vocab_size
+    vocab = config.vocab_size if outputs is None else outputs
     token = layers * layer + norm(d) + 8  # the final norm, the token id
     scored = (8 if entropy_grad else 4) * vocab + e * d  # log-softmax (+ entropy), the head's input
     return ActivationBytes(token, scored, 8 * vocab, layers * 2 * kv * (e + 4))
@@ -135,17 +138,19 @@ def token_budgets(
     device_type: str = "cuda",
     path_tokens: int | None = None,
     entropy_grad: bool = True,
+    outputs: int | None = None,
 ) -> TokenBudgets:
     """The token budgets a walk through a model of ``config`` in ``dtype`` may use within ``memory_bytes``
     of activation memory on a ``device_type`` ("cuda", "cpu", ...), by the priorities of the module
     docstring. ``path_tokens``: the most tokens on any path above a leaf (the executor passes its trie's);
-    unknown, the memory is split 2:1 between the stack and the call. Pure: no device is touched, so a CPU can
+    unknown, the memory is split 2:1 between the stack and the call. ``outputs``: as in
+    :func:`activation_bytes`. Pure: no device is touched, so a CPU can
     show what a GPU would pick."""
     if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int | float) or not memory_bytes > 0:
         raise ValueError(f"memory_bytes must be a positive number of bytes, got {memory_bytes!r}")
     if path_tokens is not None:
         path_tokens = check_count("path_tokens", path_tokens)
-    per = activation_bytes(config, dtype, entropy_grad)
+    per = activation_bytes(config, dtype, entropy_grad, outputs)
     costs = device_costs(device_type)
     stack = per.position + per.token + per.scored  # per token on the stack
     call = per.position + per.token + per.scored  # per token of the running call
@@ -334,7 +339,8 @@ class Budgets:
         if memory is not None:
             path = max((n.start for n in trie.nodes() if n.is_leaf), default=0)
             dtype = activation_dtype(lm)
-            derived = token_budgets(lm.config, dtype, memory, lm.device.type, path, entropy_grad)
+            outputs = 1 if lm.value_head else None
+            derived = token_budgets(lm.config, dtype, memory, lm.device.type, path, entropy_grad, outputs)
         block, batch, subtree = self._given
         block = derived.block_size if block is None else block
         if batch is None:  # a block given by hand: the leaf batch follows it, as before memory budgets

@@ -64,6 +64,12 @@ T = TypeVar("T")
 class TreeExecutor:
     """Forward/backward of the sequences of a :class:`~trl_dta.PrefixTrie` through a causal LM.
 
+    Value models (a critic: a ``*ForTokenClassification``, or ``*ForSequenceClassification`` with its head
+    applied per token, ``num_labels=1``, plain or PEFT) are walked the same way: the values take the
+    log-probs' place, value index ``t`` being the head at position ``t`` (the state before token ``t + 1``),
+    so :meth:`logprobs` returns values and :meth:`backward` calls ``loss_fn(i, values_i, None)``.
+    ``temperature`` must be 1.0 and ``entropies`` False (a ``ValueError`` otherwise).
+
     Args:
         model: a ``transformers`` causal LM that takes a KV cache (see docs/supported-models.md), plain or
             PEFT (LoRA) wrapped, whole or sharded with FSDP2 (``fully_shard``: each walk gathers every unit
@@ -315,6 +321,12 @@ class TreeExecutor:
         if not 0 < temperature < math.inf:  # NaN fails too
             raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
         model, lm = self.lm.model, self.lm
+        if lm.value_head and (entropies or temperature != 1.0):
+            raise ValueError(
+                f"{lm.name} is a value model: its walk gives values, which have no "
+                f"{'entropies' if entropies else 'temperature'}; walk it with entropies=False and "
+                "temperature=1.0."
+            )
         agree_on(lm.check_sequences, trie, model)  # (sharded: every rank raises if one does)
         if zero.is_deepspeed(model):  # DeepSpeed ZeRO-2/3: gathered once, reduced once per step
             sharded = zero.gathered(model, grad, self.gather_per_layer)

@@ -11,7 +11,7 @@ on both sides and cancels):
   layers, the shared ones plus ``top_k / num_experts`` of the experts');
 * attention: ``4 x layers x heads x head_dim x (t + 1)`` (scores and weighted values over ``t + 1`` keys;
   windows and state layers are not modelled);
-* LM head, on scored positions only: ``2 x hidden x vocab``.
+* LM head, on scored positions only: ``2 x hidden x vocab`` (a value model's d -> 1 head: ``2 x hidden``).
 
 Dense: every sequence's tokens and its scored positions. Walk: every trie node's tokens once, at their
 positions, and each node's scored positions once (what :func:`~trl_dta.walk.scoring.scored_from` makes the

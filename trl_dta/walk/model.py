@@ -9,6 +9,10 @@
 * :meth:`CausalLM.logits`: the LM head, with the model's logit scale and soft-capping (the same transform
   TRL's fused LM head applies), divided by a temperature, in at least float32.
 
+A value model (a critic: a ``*ForTokenClassification``, or a ``*ForSequenceClassification`` whose head is
+applied per token, with ``num_labels=1``) is walked the same way, its d -> 1 ``score`` head in the LM head's
+place (:attr:`CausalLM.value_head`): :meth:`CausalLM.logits` then gives one value per position.
+
 Models it cannot run exactly are refused with :class:`~trl_dta.walk.errors.UnsupportedModelError` when
 wrapped, or at a call for limits that depend on the sequences (attention windows, length-dependent RoPE):
 :mod:`trl_dta.walk.checks` holds the checks, :mod:`trl_dta.walk.probe` the probe that compares the walk's
@@ -74,11 +78,26 @@ def _full_shape(param: torch.Tensor) -> torch.Size:
     return getattr(param, "ds_shape", param.shape)
 
 
+def output_head(base: nn.Module) -> tuple[nn.Module | None, bool]:
+    """``base``'s output layer and whether it is a value head: the LM head (output embeddings) of a causal
+    LM, else the ``score`` (or ``classifier``) layer of a token- or sequence-classification model."""
+    lm_head = base.get_output_embeddings()
+    if lm_head is not None:
+        return lm_head, False
+    for name in ("score", "classifier"):
+        head = getattr(base, name, None)
+        if isinstance(head, nn.Module) and isinstance(getattr(head, "weight", None), torch.Tensor):
+            return head, True
+    return None, False
+
+
 def vocabulary_size(base: nn.Module, lm_head: nn.Module | None = None) -> int:
     """Ids ``base`` (a ``transformers`` causal LM) can both embed and score: the smaller of its current input
-    and output embeddings (``lm_head``: the head to use where the model reports none)."""
-    embeddings, head = base.get_input_embeddings(), base.get_output_embeddings() or lm_head
-    sizes = [_full_shape(head.weight)[0]] + (
+    and output embeddings (``lm_head``: the head to use where the model reports none). A value model scores
+    no ids: its input embeddings alone bound them."""
+    embeddings, (head, value) = base.get_input_embeddings(), output_head(base)
+    head = head or lm_head
+    sizes = ([] if value else [_full_shape(head.weight)[0]]) + (
         [] if embeddings is None else [_full_shape(embeddings.weight)[0]]
     )
     return min(sizes)
@@ -87,10 +106,16 @@ def vocabulary_size(base: nn.Module, lm_head: nn.Module | None = None) -> int:
 class CausalLM:
     """A causal LM seen as ``forward(tokens, path) -> hidden, new caches`` plus an LM head.
 
+    Value models: a ``*ForTokenClassification`` (or ``*ForSequenceClassification``) with a d -> 1 head
+    (``num_labels=1``) is walked as a causal LM whose LM head is that head (:attr:`value_head` True):
+    :meth:`logits` gives [..., 1] values (no logit scale, soft-capping or temperature), the probe compares
+    them with the model's own dense ``.logits``, and its input embeddings alone bound the token ids. Other
+    classification heads are refused.
+
     Args:
-        model: a ``transformers`` causal LM, or a PEFT model wrapping one (LoRA-style adapters; prompt
-            learning methods are refused).
-        lm_head_fp32: run the LM head projection in float32 (TRL's ``cast_lm_head_to_fp32``).
+        model: a ``transformers`` causal LM or value model, or a PEFT model wrapping one (LoRA-style adapters;
+            prompt learning methods are refused).
+        lm_head_fp32: run the LM head (or value head) projection in float32 (TRL's ``cast_lm_head_to_fp32``).
         probe: run the probe now (recommended; a few forwards of at most 13 tokens). Without it, sibling
             leaves are never packed, since only the probe shows that packing is exact for the model, and a
             model without weights (on the meta device) is accepted: only its structure is checked
@@ -143,7 +168,7 @@ class CausalLM:
         """Take the model's current LM head and attention backend, and probe them (construction, and a call
         that finds either replaced)."""
         checks.check_attention_implementation(self.config)
-        self.lm_head = self._output_embeddings()
+        self.lm_head, self.value_head = self._output_embeddings()
         self._bound = self._binding()
         # Packing sibling leaves into one row needs a custom 4-D additive mask (eager, sdpa) that the model
         # applies as given (no window of its own, no index-based bias: the probe checks the latter). State
@@ -161,7 +186,7 @@ class CausalLM:
         self.can_pack = self.probe() if self._probed else False
 
     def _binding(self) -> tuple:
-        lm_head = self.base.get_output_embeddings()
+        lm_head, _ = output_head(self.base)
         shape = None if lm_head is None else tuple(_full_shape(lm_head.weight))
         return lm_head, shape, getattr(self.config, "_attn_implementation", None)
 
@@ -186,17 +211,24 @@ class CausalLM:
             f"{type(self.decoder).__name__}.forward takes no KV cache; the tree walk needs one."
         )
 
-    def _output_embeddings(self) -> nn.Module:
-        lm_head = self.base.get_output_embeddings()
+    def _output_embeddings(self) -> tuple[nn.Module, bool]:
+        lm_head, value_head = output_head(self.base)
         if lm_head is None:
             raise UnsupportedModelError(f"{self.name} is not a decoder + LM head causal LM; not supported.")
+        outputs = _full_shape(lm_head.weight)[0]
+        if value_head and outputs != 1:
+            raise UnsupportedModelError(
+                f"{self.name} has a classification head with {outputs} outputs: the tree walk runs a value "
+                "model only with one output per token (a d -> 1 head, num_labels=1); not supported."
+            )
         if self.lm_head_fp32 and type(lm_head) is not nn.Linear:
             raise ValueError("lm_head_fp32=True needs a plain nn.Linear LM head (no adapter on it).")
-        return lm_head
+        return lm_head, value_head
 
     @property
     def vocab_size(self) -> int:
-        """Ids the model can both embed and score (the smaller of its current input and output embeddings)."""
+        """Ids the model can both embed and score (the smaller of its current input and output embeddings; a
+        value model's input embeddings)."""
         return vocabulary_size(self.base, self.lm_head)
 
     def check_sequences(self, trie) -> None:
@@ -342,7 +374,8 @@ class CausalLM:
                 )
 
     def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
-        """LM head logits of ``hidden`` in float32 (float64 for a float64 model), scaled, soft-capped, / T."""
+        """LM head logits of ``hidden`` in float32 (float64 for a float64 model), scaled, soft-capped, / T; a
+        value model's values [..., 1] (its head alone: ``temperature`` is the executor's to refuse)."""
         dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         if self.lm_head_fp32:
             with torch.autocast(hidden.device.type, enabled=False):
@@ -351,6 +384,8 @@ class CausalLM:
         else:  # in the head's dtype, as models whose residual stream is float32 (Mamba2) cast it
             z = self.lm_head(hidden.to(self.lm_head.weight.dtype))
         z = z.to(dtype)
+        if self.value_head:
+            return z
         if self.logit_scale != 1.0:
             z = z * self.logit_scale
         if self.softcap is not None:

@@ -7,7 +7,9 @@ on a :class:`~trl_dta.walk.path_kv.PathKV`. What each comparison catches:
 
 * two dense forwards of the same input: a model that draws random numbers in eval mode;
 * the prefix's logits against a dense forward of a longer sequence: a model that is not causal;
-* the first segment's logits: an LM-head transform the walk does not reproduce;
+* the first segment's logits: an LM-head transform the walk does not reproduce (a value model: its head's
+  outputs against the model's own ``.logits``; a sequence-classification one is compared per token with its
+  decoder's dense forward through the head, and that at the token it pools with its own ``.logits``);
 * the second segment and the leaves: a cache the model ignores, a state it does not carry, anything that
   depends on how a sequence is cut into calls;
 * packed leaves (only where packing is possible): a model that applies its own window or an attention bias
@@ -73,7 +75,7 @@ class _Probe:
         if lm.has_states and dtype == torch.float64:
             self.tolerance = PROBE_TOLERANCE[STATE_DTYPE_FLOOR]
         self.where = f"(relative; tolerance {self.tolerance:g} for {dtype}, autocast off)"
-        vocab = lm.lm_head.weight.shape[0]
+        vocab = lm.vocab_size if lm.value_head else lm.lm_head.weight.shape[0]
         seq = ((torch.arange(_SEQUENCE_LENGTH, device=self.device) * 7919 + 11) % vocab).tolist()
         self.prefix, self.leaves = seq[:_PREFIX], [seq[6:8], seq[8:11], seq[9:13]]
         self.kv = PathKV(capacity=_PREFIX + sum(map(len, self.leaves)))
@@ -85,8 +87,27 @@ class _Probe:
         # the class's own forward: accelerate (mixed precision) and TRL (fused LM head) patch the instance's
         # forward, and accelerate's patch turns autocast back on inside it
         base = self.lm.base
-        out = type(base).forward(base, input_ids=self.ids(tokens), use_cache=False)
-        return out.logits[0].to(torch.float64)
+        logits = type(base).forward(base, input_ids=self.ids(tokens), use_cache=False).logits
+        if logits.dim() == 2:  # a sequence-classification value model: [1, 1], pooled
+            return self._pooled(tokens, logits[0])
+        return logits[0].to(torch.float64)  # [L, V], or a value model's [L, 1]
+
+    def _pooled(self, tokens, pooled) -> torch.Tensor:
+        """Per-token values of a sequence-classification model: its decoder's dense forward through its head,
+        whose value at the token the model pools (the last one that is not padding) must be ``pooled``."""
+        decoder = self.lm.decoder
+        hidden = type(decoder).forward(decoder, input_ids=self.ids(tokens), use_cache=False).last_hidden_state
+        values = self.lm.logits(hidden, 1.0)[0].to(torch.float64)
+        pad = getattr(self.lm.base.config, "pad_token_id", None)
+        last = max((i for i, t in enumerate(tokens) if t != pad), default=0)
+        err = relative_error(values[last], pooled.to(torch.float64))
+        if not err <= self.tolerance:
+            raise UnsupportedModelError(
+                f"{self.name}: its decoder + value head differs from the value its own forward pools by "
+                f"{err:.2e} {self.where}: the model transforms its values in a way the tree walk does not "
+                "reproduce; not supported."
+            )
+        return values
 
     def logits(self, hidden) -> torch.Tensor:
         with _unsupported_on_failure(self.name):
@@ -134,10 +155,10 @@ def _check_segments(p: _Probe, dense_prefix, dense_leaves):
     hidden, first, _ = p.forward(p.ids(p.prefix[:_SPLIT]), 0, None)
     err = relative_error(p.logits(hidden), dense_prefix[:_SPLIT])
     if not err <= p.tolerance:
+        head = "value head" if lm.value_head else "LM head (with the config's logit scale and soft-capping)"
         raise UnsupportedModelError(
-            f"{p.name}: its decoder + LM head (with the config's logit scale and soft-capping) differs from "
-            f"the dense forward by {err:.2e} {p.where}: the model transforms its logits in a way the tree "
-            "walk does not reproduce; not supported."
+            f"{p.name}: its decoder + {head} differs from the dense forward by {err:.2e} {p.where}: the "
+            "model transforms its outputs in a way the tree walk does not reproduce; not supported."
         )
     hidden, second, _ = p.forward(p.ids(p.prefix[_SPLIT:]), _SPLIT, states_of(first))
     errs = [relative_error(p.logits(hidden), dense_prefix[_SPLIT:])]
@@ -183,7 +204,7 @@ def _packing_is_exact(p: _Probe, states, dense_leaves) -> bool:
         hidden, _, _ = p.lm.forward(
             tokens, _PREFIX, p.kv, states, positions=row.positions[None], attention_mask=mask
         )
-        got = p.lm.logits(hidden, 1.0)[0].to(torch.float64).split(lengths)
+        got = p.lm.logits(hidden, 1.0)[0].to(torch.float64).split(lengths)  # (a value model's [L, 1])
         err = max(relative_error(g, ref[_PREFIX:]) for g, ref in zip(got, dense_leaves, strict=True))
     except MEMORY_ERRORS:
         raise  # not a sign that packing differs

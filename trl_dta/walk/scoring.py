@@ -1,5 +1,9 @@
 """Which positions the walk scores, and each sequence's log-probs along the walk's stack.
 
+For a value model (:attr:`~trl_dta.walk.model.CausalLM.value_head`) the same bookkeeping carries values:
+value index ``t`` is the head applied to the hidden state at position ``t`` (the state before token
+``t + 1``, where the log-prob of token ``t + 1`` is read), in the log-probs' slot.
+
 A sequence needs its log-probs from some index on (``score_from``: for a training row, its prompt length - 1;
 ``lp[t] = log p(seq[t+1] | seq[:t+1])``). A trie node scores from the smallest index any sequence through
 it needs, or from its own first index, so the LM head runs only where some loss reads and every sequence's
@@ -89,6 +93,9 @@ def score_rows(
     for rows_in, rows_target in zip(
         torch.cat(inputs).split(HEAD_ROWS), torch.cat(targets).split(HEAD_ROWS), strict=True
     ):
+        if lm.value_head:  # a value model: the head's one output per position (no target, no entropy)
+            lps.append(lm.logits(rows_in, 1.0).squeeze(-1))
+            continue
         logp_all = torch.log_softmax(lm.logits(rows_in, temperature), dim=-1)
         lps.append(logp_all.gather(-1, rows_target[:, None]).squeeze(-1))
         if entropies:
