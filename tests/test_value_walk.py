@@ -11,6 +11,7 @@ from conftest import VOCAB, grads_of, make_model, max_rel_diff
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_executor import shared_prefix_sequences
+from torch import nn
 from transformers import Qwen3Config, Qwen3ForSequenceClassification, Qwen3ForTokenClassification
 
 from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError
@@ -78,7 +79,7 @@ CASES = [("sdpa", None), ("eager", None), ("sdpa", "all-linear"), ("eager", "tok
 
 
 @pytest.mark.parametrize("attn,lora", CASES)
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seqs=shared_prefix_sequences(max_sequences=7, max_len=16),
     block_size=st.sampled_from([2, 3, 5, 1000]),
@@ -178,3 +179,32 @@ def test_causal_lm_unchanged():
     executor = TreeExecutor(make_model("qwen3", "sdpa"))
     assert not executor.lm.value_head
     assert executor.lm.vocab_size == VOCAB
+
+
+def test_head_dropout_refused_in_training_until_disabled():
+    """A token-classification model's dropout before its head (0.1 by default) would differ between a shared
+    prefix and dense forwards: refused in train mode, exact once switched off."""
+    from trl_dta.walk.determinism import disable_randomness
+
+    model = make_critic()
+    model.dropout.p = 0.1  # (transformers' default where the config sets none)
+    model.train()
+    trie = PrefixTrie.from_sequences([[1, 2, 3, 4], [1, 2, 5]])
+    executor = TreeExecutor(model)
+    with pytest.raises(ValueError, match="randomness"):
+        executor.backward(trie, lambda i, v, e: v.sum())
+    disable_randomness(model)
+    executor.backward(trie, lambda i, v, e: v.sum())
+
+
+def test_value_head_in_float32():
+    """lm_head_fp32 runs a float32-or-lower model's value head in float32, as it does an LM head."""
+    model = make_critic().to(torch.bfloat16)
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 6]]
+    values = TreeExecutor(model, lm_head_fp32=True).logprobs(PrefixTrie.from_sequences(seqs))
+    with torch.no_grad():
+        for got, seq in zip(values, seqs, strict=True):
+            hidden = model.model(input_ids=torch.tensor(seq)[None]).last_hidden_state[0, :-1]
+            want = nn.functional.linear(hidden.float(), model.score.weight.float(), model.score.bias.float())
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want[:, 0], rtol=0, atol=1e-2)
