@@ -208,3 +208,25 @@ def test_value_head_in_float32():
             want = nn.functional.linear(hidden.float(), model.score.weight.float(), model.score.bias.float())
             assert got.dtype == torch.float32
             torch.testing.assert_close(got, want[:, 0], rtol=0, atol=1e-2)
+
+
+class _ScaledValues(Qwen3ForTokenClassification):
+    """A value model whose forward transforms its head's outputs (what the walk would not reproduce)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = 2 * out.logits
+        return out
+
+
+class _ScaledPooled(Qwen3ForSequenceClassification):
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = 2 * out.logits
+        return out
+
+
+@pytest.mark.parametrize("cls", [_ScaledValues, _ScaledPooled])
+def test_probe_refuses_values_the_walk_does_not_reproduce(cls):
+    with pytest.raises(UnsupportedModelError, match="transforms its values"):
+        TreeExecutor(make_critic(cls=cls))

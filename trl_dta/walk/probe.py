@@ -156,9 +156,10 @@ def _check_segments(p: _Probe, dense_prefix, dense_leaves):
     err = relative_error(p.logits(hidden), dense_prefix[:_SPLIT])
     if not err <= p.tolerance:
         head = "value head" if lm.value_head else "LM head (with the config's logit scale and soft-capping)"
-        raise UnsupportedModelError(
+        raise UnsupportedModelError(  # (benchmarks/arch_sweep.py sorts refusals by "transforms its logits")
             f"{p.name}: its decoder + {head} differs from the dense forward by {err:.2e} {p.where}: the "
-            "model transforms its outputs in a way the tree walk does not reproduce; not supported."
+            f"model transforms its {'values' if lm.value_head else 'logits'} in a way the tree walk does not "
+            "reproduce; not supported."
         )
     hidden, second, _ = p.forward(p.ids(p.prefix[_SPLIT:]), _SPLIT, states_of(first))
     errs = [relative_error(p.logits(hidden), dense_prefix[_SPLIT:])]
