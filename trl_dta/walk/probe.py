@@ -88,7 +88,7 @@ class _Probe:
         # forward, and accelerate's patch turns autocast back on inside it
         base = self.lm.base
         logits = type(base).forward(base, input_ids=self.ids(tokens), use_cache=False).logits
-        if logits.dim() == 2:  # a sequence-classification value model: [1, 1], pooled
+        if self.lm.value_head and logits.dim() == 2:  # a sequence-classification value model: [1, 1], pooled
             return self._pooled(tokens, logits[0])
         return logits[0].to(torch.float64)  # [L, V], or a value model's [L, 1]
 
@@ -128,8 +128,8 @@ def probe(lm, try_packing: bool) -> bool:
     try:
         dense_leaves = [p.dense(p.prefix + leaf) for leaf in p.leaves]
         dense_prefix = p.dense(p.prefix)
-    except MEMORY_ERRORS:
-        raise  # out of memory is not a refusal of the model
+    except (UnsupportedModelError, *MEMORY_ERRORS):
+        raise  # a refusal that names its cause (a pooled value); out of memory is not a refusal
     except Exception as e:
         raise UnsupportedModelError(
             f"{p.name}'s own forward fails on a plain input of token ids ({type(e).__name__}: {e}); "
