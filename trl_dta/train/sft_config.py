@@ -31,7 +31,7 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
             randomness: as in :class:`~trl_dta.TreePPOConfig`, the probabilities models hold as numbers are
             set to 0 too, then two forwards of the same input in train mode must agree, or the trainer
             refuses the model at construction, naming the settings. With `False` a model with dropout is
-            refused by the walk.
+            refused when the trainer is built.
 
     Defaults that differ from ``SFTConfig``:
 

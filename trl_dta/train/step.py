@@ -160,15 +160,16 @@ class StepWalker:
         models, size = [m for m in (policy, *others) if m is not None], tokenizer_size(tokenizer)
         for k, model in enumerate(models):
             self.flow.register(model)  # (DeepSpeed: a reference model's engine, its hooks off in the probe)
+            module = unwrap(model)
             preflight(
-                unwrap(model), lm_head_fp32=self.options["lm_head_fp32"], tokenizer_size=size,
+                module, lm_head_fp32=self.options["lm_head_fp32"], tokenizer_size=size,
                 max_length=length.tokens, length_setting=length.setting, option=length.option,
-                training=k == 0 and not disable_dropout, probe=self._placed(unwrap(model)),
+                training=k == 0 and not disable_dropout, probe=self._placed(module),
             )  # fmt: skip
         if disable_dropout:
             self.disable_randomness(policy, *others)
-        elif self._placed(unwrap(policy)):
-            self._check_deterministic(unwrap(policy))
+        elif self._placed(module := unwrap(policy)):
+            self._check_deterministic(module)
 
     def _placed(self, module) -> bool:
         """Whether ``module``'s weights are where it will walk (the accelerator's device kind): not under
@@ -185,8 +186,8 @@ class StepWalker:
         changed = [c for m in (policy, *others) if m is not None for c in disable_randomness(unwrap(m))]
         if changed:
             logger.info("disable_dropout: set to 0: %s", ", ".join(changed))
-        if self._placed(unwrap(policy)):  # (elsewhere: the executor checks at its first call, on the device)
-            self._check_deterministic(unwrap(policy))
+        if self._placed(module := unwrap(policy)):  # (elsewhere: the executor checks at its first call)
+            self._check_deterministic(module)
         return changed
 
     @staticmethod

@@ -91,18 +91,6 @@ def output_head(base: nn.Module) -> tuple[nn.Module | None, bool]:
     return None, False
 
 
-def vocabulary_size(base: nn.Module, lm_head: nn.Module | None = None) -> int:
-    """Ids ``base`` (a ``transformers`` causal LM) can both embed and score: the smaller of its current input
-    and output embeddings (``lm_head``: the head to use where the model reports none). A value model scores
-    no ids: its input embeddings alone bound them."""
-    embeddings, (head, value) = base.get_input_embeddings(), output_head(base)
-    head = head or lm_head
-    sizes = ([] if value else [_full_shape(head.weight)[0]]) + (
-        [] if embeddings is None else [_full_shape(embeddings.weight)[0]]
-    )
-    return min(sizes)
-
-
 class CausalLM:
     """A causal LM seen as ``forward(tokens, path) -> hidden, new caches`` plus an LM head.
 
@@ -228,8 +216,12 @@ class CausalLM:
     @property
     def vocab_size(self) -> int:
         """Ids the model can both embed and score (the smaller of its current input and output embeddings; a
-        value model's input embeddings)."""
-        return vocabulary_size(self.base, self.lm_head)
+        value model's input embeddings alone: it scores no ids)."""
+        embeddings, (head, _) = self.base.get_input_embeddings(), output_head(self.base)
+        sizes = [] if self.value_head else [_full_shape((head or self.lm_head).weight)[0]]
+        if embeddings is not None:
+            sizes.append(_full_shape(embeddings.weight)[0])
+        return min(sizes)
 
     def check_sequences(self, trie) -> None:
         """Checks of a call's sequences (a :class:`~trl_dta.PrefixTrie`), before any forward: every id has an
