@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .train.ppo_async_config import AsyncTreePPOConfig
     from .train.ppo_async_trainer import AsyncTreePPOTrainer
     from .train.ppo_config import TreePPOConfig
+    from .train.ppo_critic import value_model_from
     from .train.ppo_trainer import TreePPOTrainer
     from .train.sft_config import TreeSFTConfig
     from .train.sft_trainer import TreeSFTTrainer
@@ -42,6 +43,7 @@ _EXPORTS = {
     "TreeSFTTrainer": "trl_dta.train.sft_trainer",
     "UnsupportedModelError": "trl_dta.walk.errors",
     "lexicographic_partition": "trl_dta.partition",
+    "value_model_from": "trl_dta.train.ppo_critic",
 }
 
 __all__ = [
@@ -56,6 +58,7 @@ __all__ = [
     "TreeSFTTrainer",
     "UnsupportedModelError",
     "lexicographic_partition",
+    "value_model_from",
 ]
 
 

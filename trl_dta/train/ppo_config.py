@@ -1,4 +1,5 @@
-"""TreePPOConfig: TRL's GRPOConfig plus the tree walk's options (the shared ones in ``tree_args.py``)."""
+"""TreePPOConfig: TRL's GRPOConfig plus the tree walk's options (the shared ones in ``tree_args.py``) and
+those of PPO with a value model (``ppo_value_args.py``)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .ppo_value_args import ValueArguments
 from .tree_args import TreeArguments, check_flag
 
 
 @dataclass
-class TreePPOConfig(TreeArguments, GRPOConfig):
+class TreePPOConfig(TreeArguments, ValueArguments, GRPOConfig):
     """Configuration for :class:`~trl_dta.TreePPOTrainer`: every ``GRPOConfig`` field, plus:
 
     Args:
@@ -18,6 +20,9 @@ class TreePPOConfig(TreeArguments, GRPOConfig):
         tree_check_gradients, tree_check_tolerance:
             The walk's memory and token budgets, its out-of-memory retries and its gradient check, shared with
             :class:`~trl_dta.TreeSFTConfig`: :class:`~trl_dta.train.tree_args.TreeArguments` documents them.
+        gamma, lam, cliprange_value, whiten_advantages, value_learning_rate, value_max_grad_norm:
+            PPO with a value model (the trainer's `value_model`; not read without one):
+            :class:`~trl_dta.train.ppo_value_args.ValueArguments` documents them (docs/ppo-critic.md).
         tree_lexicographic_steps (`bool`, defaults to `False`):
             Opt-in. Instead of TRL's random shuffle, order each generation batch lexicographically (rows that
             share a prefix become neighbours) and cut it into micro-batches in that order, so each optimizer

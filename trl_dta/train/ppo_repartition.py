@@ -20,8 +20,7 @@ import torch.distributed as dist
 from ..partition import lexicographic_partition
 from .ppo_rows import BATCH_WIDE, PER_TOKEN, PROMPT, batch_rows, concat_batches, take_rows
 
-PER_ROW = ("advantages",)
-SUPPORTED = {*PROMPT, *PER_TOKEN, *PER_ROW, *BATCH_WIDE}
+SUPPORTED = {*PROMPT, *PER_TOKEN, *BATCH_WIDE}
 
 
 def partition_sequences(batch: dict) -> list[list[int]]:
@@ -37,8 +36,10 @@ def _rows(batch: dict, index: list[int], count: int) -> dict:
     real = len(index)
     out["completion_mask"] = out["completion_mask"].clone()
     out["completion_mask"][real:] = 0
-    out["advantages"] = out["advantages"].clone()
-    out["advantages"][real:] = 0
+    for key in ("advantages", "value_mask"):  # (a value model's mask: its padding rows train nothing)
+        if key in out:
+            out[key] = out[key].clone()
+            out[key][real:] = 0
     return out
 
 

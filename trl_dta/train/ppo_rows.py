@@ -23,9 +23,14 @@ PER_TOKEN = {
     "ref_per_token_logps": 0.0,
     "sampling_per_token_logps": 0.0,
     "importance_sampling_ratio": 1.0,
+    "advantages": 0.0,  # (B, T) with a value model; (B,) otherwise, kept as it is
+    "old_values": 0.0,
+    "returns": 0.0,
+    "value_mask": 0.0,
 }
 PROMPT = ("prompt_ids", "prompt_mask")  # left-padded to the prompt width
-BATCH_WIDE = ("num_items_in_batch",)  # one value for the whole batch (the same on every rank), not per row
+# one value for the whole batch (the same on every rank), not per row
+BATCH_WIDE = ("num_items_in_batch", "value_tokens")
 
 
 class Row(NamedTuple):

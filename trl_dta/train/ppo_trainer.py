@@ -44,6 +44,7 @@ from .ppo_config import TreePPOConfig
 from .ppo_losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
 from .ppo_rows import concat_batches, take_rows
 from .ppo_step import RowLosses, Walked, scatter, step_sequences, walked_batches
+from .ppo_value_model import ValueModelMixin
 from .refusals import check_arguments, rollout_length
 from .step import StepWalker
 from .tree_args import PAPER
@@ -54,7 +55,7 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatia
                "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
 
 
-class TreePPOTrainer(VLLMMixin, GRPOTrainer):
+class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
     """A drop-in replacement for ``trl.GRPOTrainer`` (same arguments) that trains on one prefix trie of each
     optimizer step's rollouts: shared prefixes are forwarded and backpropagated once, with exactly the
     dense gradients.
@@ -68,15 +69,24 @@ class TreePPOTrainer(VLLMMixin, GRPOTrainer):
                                  train_dataset=dataset)
         trainer.train()
 
-    Args: those of ``GRPOTrainer``. ``args`` should be a :class:`~trl_dta.TreePPOConfig` (a plain
-    ``GRPOConfig`` gets the tree options' defaults; ``None`` makes a ``TreePPOConfig``).
+    Args: those of ``GRPOTrainer``, and:
+        args: should be a :class:`~trl_dta.TreePPOConfig` (a plain ``GRPOConfig`` gets the tree options'
+            defaults; ``None`` makes a ``TreePPOConfig``).
+        value_model (keyword): ``None`` (default): TRL's group-relative advantages, no critic. Else PPO with a
+            value model (:mod:`trl_dta.train.ppo_value_model`, docs/ppo-critic.md): a Hub id or path (a
+            ``*ForTokenClassification`` with ``num_labels=1`` loaded with ``model_init_kwargs``; a causal
+            LM's checkpoint, the policy's own for a warm start, gets a zero head), or a module (a
+            ``*ForTokenClassification``, or a PEFT model of one; :func:`~trl_dta.value_model_from` builds one
+            from the policy). GAE (``gamma``, ``lam``) gives per-token advantages, and the value model is
+            trained on the same trie with its own optimizer (``value_learning_rate``,
+            ``value_max_grad_norm``, ``cliprange_value``). One process or DDP.
     """
 
     _tag_names = ["trl", "grpo", "trl-dta", "tree-ppo"]
     _name = "TreePPO"
     _paper = PAPER
 
-    def __init__(self, model, reward_funcs=None, args=None, *rest, **kwargs):
+    def __init__(self, model, reward_funcs=None, args=None, *rest, value_model=None, **kwargs):
         if args is None:
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = TreePPOConfig(f"{name.split('/')[-1]}-TreePPO")
@@ -94,6 +104,7 @@ class TreePPOTrainer(VLLMMixin, GRPOTrainer):
             self.model, self.ref_model, tokenizer=self.processing_class, length=rollout_length(a),
             disable_dropout=a.disable_dropout,
         )  # fmt: skip
+        self._init_value_model(value_model)
         # Re-partition the global batch in lexicographic runs, unless the loss has per-micro-batch statistics
         # (bnpo, top_entropy_quantile, entropy bonus): those keep TRL's per-rank batches.
         self._repartition = self._walker.multi_process and not (
@@ -106,7 +117,7 @@ class TreePPOTrainer(VLLMMixin, GRPOTrainer):
 
     # ------------------------------------------------------------------ multi-process: re-partition
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        output = self._value_targets(super()._generate_and_score_completions(inputs))
         if self._repartition and self.model.training:
             output, info = ppo_repartition.repartition(output, multiple=self.args.steps_per_generation)
             self._metrics["train"]["tree/rank_rows"].append(info["rows"])
@@ -184,6 +195,7 @@ class TreePPOTrainer(VLLMMixin, GRPOTrainer):
         loss = self._trl_loss(inputs, walked)
         if mode == "train" and torch.is_grad_enabled():
             self._walker.micro_batch_done(model)  # (DDP: the step's gradients averaged once)
+            self._value_model_step()  # (a value model: its optimizer step after the step's last micro-batch)
             return torch.zeros((), device=loss.device, requires_grad=True) + loss  # gradients are in .grad
         return loss
 
@@ -246,6 +258,8 @@ class TreePPOTrainer(VLLMMixin, GRPOTrainer):
             losses = RowLosses(owners, row_losses)
             if training:
                 step.backward(losses, self.temperature, entropy_grad=self._entropy_bonus_enabled)
+                if self._critic is not None:  # the value model on the same trie (its peak is the step's too)
+                    step.include(self._walk_value_model(seqs, owners, batches, metrics))
             else:
                 step.score(losses, self.temperature)
         if self.aux_loss_enabled:

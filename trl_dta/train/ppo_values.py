@@ -1,5 +1,6 @@
-"""The arithmetic of PPO with a value model (issue 39's first part; no trainer uses it yet): generalised
-advantage estimation per rollout, advantage whitening, and the clipped value loss.
+"""The arithmetic of PPO with a value model (:class:`~trl_dta.TreePPOTrainer`'s ``value_model``): the
+terminal reward on each rollout's last policy token, generalised advantage estimation per rollout, advantage
+whitening, the clipped value loss, and that loss per row for the walk (:class:`ValueRowLoss`).
 
 All three work on padded ``(B, T)`` completion tensors with a ``mask`` of the tokens the policy produced
 (TRL's :func:`~trl_dta.train.ppo_losses.loss_mask`: completion tokens, less the tool-response tokens of a
@@ -16,6 +17,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+
+def terminal_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` per-token rewards: each row's reward ``rewards[b]`` on its last policy token (the last 1 of
+    ``mask``, a ``(B, T)`` mask of the tokens the policy produced), 0 elsewhere; a row without a policy token
+    gets nothing. NaN rewards (TRL's unscorable rollouts) count as 0."""
+    out = torch.zeros(mask.shape, dtype=torch.float64, device=mask.device)
+    on = mask.bool()
+    last = (on.long() * torch.arange(1, mask.shape[1] + 1, device=mask.device)).argmax(dim=1)  # (B,)
+    has = on.any(dim=1)
+    rows = torch.arange(mask.shape[0], device=mask.device)[has]
+    out[rows, last[has]] = torch.nan_to_num(rewards.double(), nan=0.0).to(mask.device)[has]
+    return out
 
 
 def gae(
@@ -105,3 +119,86 @@ def clipped_value_loss(
     clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     clipped_error = (clipped_values - returns) ** 2
     return 0.5 * torch.maximum(error, clipped_error), clipped_error > error
+
+
+class ValueRowLoss:
+    """``ValueRowLoss(mask, old_values, returns, norm, cliprange_value)(i, values, _)``: row ``i``'s share of
+    a micro-batch's value loss, the clipped loss of each of its policy tokens summed and divided by ``norm``
+    (the step's policy tokens per process: the loss is the mean over every token the step trains, whatever
+    the micro-batch or the process; a token shared by several rows is summed over them, each row with its
+    own target).
+
+    ``mask``, ``old_values``, ``returns``: the micro-batch's ``(B, T)`` value mask, old values and returns;
+    ``values`` passed to the call: the row's values over its first ``n <= T`` completion positions (the rest
+    is masked), with their autograd graph."""
+
+    def __init__(self, mask: torch.Tensor, old_values, returns, norm: float, cliprange_value: float | None):
+        self.mask, self.old_values, self.returns = mask, old_values, returns
+        self.norm, self.cliprange_value = norm, cliprange_value
+
+    def __call__(self, i: int, values: torch.Tensor, _=None) -> torch.Tensor:
+        n = values.shape[0]
+        old, returns = self.old_values[i, :n], self.returns[i, :n]
+        loss, _clipped = clipped_value_loss(values, old.to(values.dtype), returns.to(values.dtype),
+                                            self.cliprange_value)  # fmt: skip
+        return (loss * self.mask[i, :n]).sum() / self.norm
+
+    def clipped(self, i: int, values: torch.Tensor) -> torch.Tensor:
+        """Row ``i``'s policy tokens whose clipped term is the larger (``values`` as the call's)."""
+        n = values.shape[0]
+        old, returns = self.old_values[i, :n].to(values.dtype), self.returns[i, :n].to(values.dtype)
+        _, clipped = clipped_value_loss(values, old, returns, self.cliprange_value)
+        return clipped & self.mask[i, :n].bool()
+
+
+def value_targets(
+    mask: torch.Tensor,
+    rewards: torch.Tensor,
+    old_values: torch.Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    whiten_advantages: bool,
+    sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """A generation batch's PPO targets from its rewards and its old values.
+
+    Args:
+        mask: ``(B, T)`` the tokens the policy produced (TRL's loss mask).
+        rewards: ``(B,)`` each rollout's reward, put on its last policy token (:func:`terminal_rewards`).
+        old_values: ``(B, T)`` the value model's values before the step's updates.
+        gamma, lam, whiten_advantages: :class:`~trl_dta.train.ppo_value_args.ValueArguments`'.
+        sum_over_processes: sums a tensor over the processes (whitening and the metrics over the whole
+            generation batch); None: one process.
+
+    Returns:
+        The batch's new fields: ``advantages``, ``returns`` and ``old_values`` (``(B, T)``, float32, 0 off the
+        mask) and ``value_tokens`` (the policy tokens of every process, a 0-d tensor: the value loss's
+        normaliser); and the metrics: ``value/mean`` and ``value/returns_mean`` over the policy tokens,
+        ``value/explained_variance`` (1 - Var(returns - values) / Var(returns): how much of the returns'
+        spread the values predict; 1 is perfect, 0 no better than their mean).
+    """
+    reduce = sum_over_processes or (lambda t: t)
+    values = old_values.double()
+    advantages, returns = gae(values, terminal_rewards(rewards, mask), mask, gamma, lam)
+    if whiten_advantages:
+        advantages = whiten(advantages, mask, sum_over_processes)
+    on = mask.bool()
+    error = (returns - values)[on]
+    sums = torch.stack([on.sum().double(), values[on].sum(), returns[on].sum(), (returns[on] ** 2).sum(),
+                        error.sum(), (error**2).sum()])  # fmt: skip
+    count, value_sum, ret, ret2, err, err2 = reduce(sums).tolist()
+    metrics = {}
+    if count:
+        var_returns = ret2 / count - (ret / count) ** 2
+        var_error = err2 / count - (err / count) ** 2
+        explained = 1.0 - var_error / var_returns if var_returns > 1e-12 else float("nan")
+        metrics = {"value/mean": value_sum / count, "value/returns_mean": ret / count,
+                   "value/explained_variance": explained}  # fmt: skip
+    fields = {
+        "advantages": advantages.float(),
+        "returns": returns.float(),
+        "old_values": torch.where(on, old_values, 0.0).float(),
+        "value_tokens": torch.tensor(count, device=mask.device),
+    }
+    return fields, metrics

@@ -130,6 +130,7 @@ class StepWalker:
             "oom_retries": _option(args, "tree_oom_retries"),
         }
         self.executors: dict[int, TreeExecutor] = {}
+        self.trained: list = []  # the models trained in the same steps (train_together)
 
     def executor(self, model) -> TreeExecutor:
         """The executor of ``model`` (the trainer's, wrapped or not; built, and probed, at the first call)."""
@@ -137,8 +138,17 @@ class StepWalker:
         module = self.accelerator.unwrap_model(model)
         if id(module) not in self.executors:
             budgets = Budgets(*self.budget_options, reserved_bytes=self.reserved_bytes, prefix="tree_")
+            if any(m is module for m in self.trained):
+                budgets.train_with(*(m for m in self.trained if m is not module))
             self.executors[id(module)] = TreeExecutor(module, budgets=budgets, **self.options)
         return self.executors[id(module)]
+
+    def train_together(self, *models) -> None:
+        """Several models trained in the same optimizer steps, each walked by its own executor (a policy and
+        its value model): each walk's ``tree_memory_budget="auto"`` leaves room for the others' gradients
+        and optimizer states too (:meth:`~trl_dta.walk.budgets.Budgets.train_with`). Call before their first
+        walk."""
+        self.trained = [self.accelerator.unwrap_model(m) for m in models]
 
     def reserve(self, reserved_bytes: float) -> None:
         """Bytes another user of the device claims while the walks run or right after them (a colocated vLLM
@@ -205,18 +215,19 @@ class StepWalker:
 
     def step(
         self, model, sequences: Sequence[StepSequence], *, training: bool = True, metrics=None,
-        dense_loss: Callable | None = None, batches: Sequence[dict] | None = None,
+        dense_loss: Callable | None = None, batches: Sequence[dict] | None = None, prefix: str = "tree/",
     ) -> StepWalk:  # fmt: skip
         """The walk of one step's ``sequences`` on ``model``, as a context manager (:class:`StepWalk`); on a
         normal exit the step's ``tree/*`` metrics are appended to ``metrics`` (a ``defaultdict(list)``, e.g.
-        the trainer's ``self._metrics["train"]``; None: not logged). ``dense_loss(model, inputs)`` and the
-        step's micro-batches ``batches``: what ``tree_check_gradients`` compares the step against, at the
-        first gradient step."""
+        the trainer's ``self._metrics["train"]``; None: not logged), named with ``prefix`` (a second model
+        walked on the same trie, a value model, logs under its own: ``"value_tree/"``).
+        ``dense_loss(model, inputs)`` and the step's micro-batches ``batches``: what
+        ``tree_check_gradients`` compares the step against, at the first gradient step."""
         check = None
         if training and self.check_gradients and dense_loss is not None:
             check = lambda: GradientCheck(dense_loss, model, batches, self.check_tolerance)
             self.check_gradients = False  # (once)
-        return StepWalk(self, model, sequences, training, metrics, check)
+        return StepWalk(self, model, sequences, training, metrics, check, prefix)
 
     def micro_batch_done(self, model) -> None:
         """Call at the end of each training micro-batch (``compute_loss``): under DDP, after the step's last
@@ -237,8 +248,9 @@ class StepWalk(AbstractContextManager):
     and then each pass is an idle walk where the other ranks need one). ``results``: the
     :class:`SequenceResults` of the last :meth:`backward` or :meth:`score`."""
 
-    def __init__(self, walker: StepWalker, model, sequences, training: bool, metrics, check):
+    def __init__(self, walker: StepWalker, model, sequences, training: bool, metrics, check, prefix="tree/"):
         self.walker, self.model, self.training, self.metrics = walker, model, training, metrics
+        self.prefix = prefix
         self._check = check() if check is not None else None  # (the dense pass, before the walk's time)
         self._started = time.perf_counter()
         self.sequences = list(sequences)
@@ -250,6 +262,7 @@ class StepWalk(AbstractContextManager):
         self.results = SequenceResults(len(self.sequences))
         self.router_grad = None
         self.peak_memory: int | None = None
+        self.time_s: float | None = None  # (set on exit)
         self._calls = None
         self._executor: TreeExecutor | None = None
 
@@ -266,8 +279,9 @@ class StepWalk(AbstractContextManager):
         return self
 
     def __exit__(self, kind, *exc):
+        self.time_s = time.perf_counter() - self._started
         if kind is None and self._check is not None and self.metrics is not None:
-            self.metrics["tree/check_error"].append(self._check.finish())
+            self.metrics[f"{self.prefix}check_error"].append(self._check.finish())
         if kind is None and self.trie is not None and self.metrics is not None:
             self._log(self.metrics)
         return False
@@ -327,6 +341,14 @@ class StepWalk(AbstractContextManager):
         for k, (lp, ent) in enumerate(zip(lps, ents, strict=True)):
             record(k, lp, ent)
 
+    def include(self, other: StepWalk) -> None:
+        """Another model's walk of this step, run inside this one (a value model's): its peak memory counts
+        toward this step's (``tree/peak_memory_gib`` is the larger of the two walks), its time is not this
+        walk's (each logs its own ``time_s``)."""
+        if other.peak_memory is not None:
+            self.peak_memory = max(other.peak_memory, self.peak_memory or 0)
+        self._started += other.time_s or 0.0
+
     # ------------------------------------------------------------------ helpers
     def _recorded(self, loss_fn: LossFn) -> LossFn:
         def on_sequence(k, logps, entropies):
@@ -348,22 +370,22 @@ class StepWalk(AbstractContextManager):
             self.peak_memory = max(peak, self.peak_memory or 0)
 
     def _log(self, metrics) -> None:
-        """The step's ``tree/*`` metrics (docs/options.md, "Metrics")."""
-        trie, executor = self.trie, self.executor
-        metrics["tree/tokens"].append(float(trie.num_tokens))
-        metrics["tree/unique_tokens"].append(float(trie.num_unique_tokens))
-        metrics["tree/dedup_ratio"].append(trie.dedup_ratio)
+        """The step's ``tree/*`` metrics, named with :attr:`prefix` (docs/options.md, "Metrics")."""
+        trie, executor, p = self.trie, self.executor, self.prefix
+        metrics[f"{p}tokens"].append(float(trie.num_tokens))
+        metrics[f"{p}unique_tokens"].append(float(trie.num_unique_tokens))
+        metrics[f"{p}dedup_ratio"].append(trie.dedup_ratio)
         dense, walk = executor.flops(trie, self.score_from)
-        metrics["tree/flop_ratio"].append(dense / walk)
+        metrics[f"{p}flop_ratio"].append(dense / walk)
         forward, backward = executor.calls.forward - self._calls[0], executor.calls.backward - self._calls[1]
-        metrics["tree/calls"].append(float(forward + backward))
-        metrics["tree/tokens_per_call"].append((executor.calls.tokens - self._calls[2]) / max(forward, 1))
-        metrics["tree/time_s"].append(time.perf_counter() - self._started)
+        metrics[f"{p}calls"].append(float(forward + backward))
+        metrics[f"{p}tokens_per_call"].append((executor.calls.tokens - self._calls[2]) / max(forward, 1))
+        metrics[f"{p}time_s"].append(self.time_s)
         for name, value in executor.budgets.metrics().items():  # the budgets in use (derived or given)
-            metrics[f"tree/{name}"].append(float(value))
-        metrics["tree/oom_retries"].append(float(self.walker.take_oom_retries()))
+            metrics[f"{p}{name}"].append(float(value))
+        metrics[f"{p}oom_retries"].append(float(self.walker.take_oom_retries()))
         if self.peak_memory is not None:
-            metrics["tree/peak_memory_gib"].append(self.peak_memory / 2**30)
+            metrics[f"{p}peak_memory_gib"].append(self.peak_memory / 2**30)
 
 
 def _idle_trie() -> PrefixTrie:

@@ -43,11 +43,16 @@ import torch
 from .checks import check_count
 from .costs import device_costs
 from .errors import ArgumentTypeError
-from .memory_budget import memory_share, parse_memory_budget
+from .memory_budget import (
+    AUTO_FRACTION,
+    auto_memory_bytes,
+    measure_free_memory,
+    memory_share,
+    parse_memory_budget,
+)
 
 logger = logging.getLogger(__name__)
 
-AUTO_FRACTION = 0.9  # memory_budget="auto" on CUDA: this share of the free memory at the first walk
 HISTORY = 1000  # changes of the budgets in use that Budgets.history keeps (the latest)
 MIN_CALL_TOKENS = 512  # below this, calls are too small to keep a GPU busy: rather recompute
 HEAD_ROWS = 1024  # the LM head runs on at most this many positions at once (scoring.py)
@@ -170,41 +175,6 @@ def token_budgets(
     return TokenBudgets(block_size=block, batch_tokens=calls, subtree_tokens=calls)
 
 
-def measure_free_memory(model: torch.nn.Module, device: torch.device) -> tuple[float, float] | None:
-    """``memory_budget="auto"``, measured: on CUDA, the device's free memory now (what the driver has free and
-    what PyTorch's allocator holds unused) and what the first optimizer step will still allocate (each
-    trainable parameter's gradient if it has none yet, and two Adam states); None elsewhere (the device
-    kind's fixed budgets apply)."""
-    if device.type != "cuda":
-        return None
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # (its cache)
-    later = 0
-    for p in model.parameters():
-        if p.requires_grad:
-            # the full size (ZeRO-3 partitions hold ds_numel; FSDP2's DTensors count their global size)
-            size = (getattr(p, "ds_numel", None) or p.numel()) * p.element_size()
-            later += 2 * size + (size if p.grad is None else 0)
-    return float(free), float(later)
-
-
-def auto_memory_bytes(free: float, later: float, reserved: float = 0, fraction: float = AUTO_FRACTION):
-    """``memory_budget="auto"``'s bytes (and a percentage's, its ``fraction``): ``fraction`` of the ``free``
-    bytes measured less the ``reserved`` ones (another user of the device, such as a colocated vLLM engine,
-    will claim them), less the ``later`` bytes the first optimizer step will allocate
-    (:func:`measure_free_memory`)."""
-    budget = fraction * (free - reserved) - later
-    if budget <= 0:
-        raise RuntimeError(
-            f"memory budget ('auto', or a percentage): {free / 2**30:.2f} GiB free, less "
-            f"{reserved / 2**30:.2f} GiB reserved "
-            f"for other users of the device, of which {fraction:.0%} leaves nothing after the first "
-            f"optimizer step's gradients and Adam states ({later / 2**30:.2f} GiB); pass memory_budget in "
-            "bytes, or the token budgets."
-        )
-    return budget
-
-
 def activation_dtype(lm) -> torch.dtype:
     """The activations' dtype of a walk through ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`):
     autocast's where it is on, else the LM head's weights'."""
@@ -273,6 +243,7 @@ class Budgets:
         self._prefix = prefix
         self.memory_budget = parse_memory_budget(memory_budget, f"{prefix}memory_budget")  # (canonical)
         self._given = self._check_given(block_size, batch_tokens, subtree_tokens)
+        self.trained_with: tuple[torch.nn.Module, ...] = ()  # other models of the same steps: train_with()
         self.reserved_bytes = _reserved(f"{prefix}reserved_bytes", reserved_bytes)
         self.in_use: TokenBudgets | None = None  # those of the last walk
         self.memory: float | None = None  # the memory budget in bytes, once known ("auto": at the first walk)
@@ -308,6 +279,11 @@ class Budgets:
         self.halvings, self._ceiling, self._halved = 0, None, None
         self._history.append(BudgetChange("set", None))
 
+    def train_with(self, *others: torch.nn.Module) -> None:
+        """Models trained in the same optimizer steps as this walk's (a policy and its value model): "auto"
+        also leaves room for their first optimizer step's gradients and Adam states."""
+        self.trained_with = others
+
     def reserve(self, reserved_bytes: float) -> None:
         """Set :attr:`reserved_bytes` (for the walks from now on)."""
         self.reserved_bytes = _reserved(f"{self._prefix}reserved_bytes", reserved_bytes)
@@ -322,7 +298,7 @@ class Budgets:
             self.memory = float(self.memory_budget)
         else:
             if self._measured is None:  # (once: later, the walks' own memory is in use)
-                self._measured = measure_free_memory(model, device)
+                self._measured = measure_free_memory(model, device, self.trained_with)
             measured, reserved = self._measured, self.reserved_bytes
             self.memory = None if measured is None else auto_memory_bytes(*measured, reserved, share)
         return self.memory

@@ -12,12 +12,17 @@ Accepted forms (strings case-insensitive, spaces around the number and unit allo
 
 The canonical values: None, ``"auto"``, a float of bytes, or a percentage string such as ``"80%"`` (kept as
 typed, so a saved config reads back the same; :func:`memory_share` gives its fraction).
+:func:`measure_free_memory` and :func:`auto_memory_bytes` turn ``"auto"`` (or a percentage) into bytes at
+the first walk.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
+
+import torch
 
 from .errors import ArgumentTypeError
 
@@ -27,6 +32,7 @@ UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
 }  # fmt: skip
 NONE_WORDS = ("none", "null")
+AUTO_FRACTION = 0.9  # "auto" on CUDA: this share of the free memory at the first walk
 FORMS = (
     '"auto" (the free device memory), None (also "none"/"null": the fixed token budgets), a number of bytes '
     "(6e10, 8000000000), bytes with a unit (8GB, 1.5TB, 512MB: powers of 1000; 8GiB, 512MiB: powers of "
@@ -82,3 +88,41 @@ def memory_share(budget: float | str | None) -> float | None:
     if isinstance(budget, str) and budget.endswith("%"):
         return float(budget[:-1]) / 100
     return None
+
+
+def measure_free_memory(
+    model: torch.nn.Module, device: torch.device, others: Sequence[torch.nn.Module] = ()
+) -> tuple[float, float] | None:
+    """``memory_budget="auto"``, measured: on CUDA, the device's free memory now (what the driver has free and
+    what PyTorch's allocator holds unused) and what the first optimizer step will still allocate (each
+    trainable parameter's gradient if it has none yet, and two Adam states), of ``model`` and of the
+    ``others`` trained in the same steps (a value model beside the policy: whichever walks first must leave
+    room for both); None elsewhere (the device kind's fixed budgets apply)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # (its cache)
+    later = 0
+    for p in (p for m in (model, *others) for p in m.parameters()):
+        if p.requires_grad:
+            # the full size (ZeRO-3 partitions hold ds_numel; FSDP2's DTensors count their global size)
+            size = (getattr(p, "ds_numel", None) or p.numel()) * p.element_size()
+            later += 2 * size + (size if p.grad is None else 0)
+    return float(free), float(later)
+
+
+def auto_memory_bytes(free: float, later: float, reserved: float = 0, fraction: float = AUTO_FRACTION):
+    """``memory_budget="auto"``'s bytes (and a percentage's, its ``fraction``): ``fraction`` of the ``free``
+    bytes measured less the ``reserved`` ones (another user of the device, such as a colocated vLLM engine,
+    will claim them), less the ``later`` bytes the first optimizer step will allocate
+    (:func:`measure_free_memory`)."""
+    budget = fraction * (free - reserved) - later
+    if budget <= 0:
+        raise RuntimeError(
+            f"memory budget ('auto', or a percentage): {free / 2**30:.2f} GiB free, less "
+            f"{reserved / 2**30:.2f} GiB reserved "
+            f"for other users of the device, of which {fraction:.0%} leaves nothing after the first "
+            f"optimizer step's gradients and Adam states ({later / 2**30:.2f} GiB); pass memory_budget in "
+            "bytes, or the token budgets."
+        )
+    return budget
