@@ -1,7 +1,9 @@
 """One rank of a multi-process TreePPOTrainer run (launched by tests/test_distributed.py with torchrun).
 
 Usage: torchrun --nproc_per_node 2 tests/dist_worker.py OUT_DIR MODEL_DIR LOSS_TYPE
-Saves this rank's per-step gradients (taken just before the optimizer step) to OUT_DIR/rank{RANK}.pt.
+Saves this rank's per-step gradients (taken just before the optimizer step) to OUT_DIR/rank{RANK}.pt. With
+``VALUE_MODEL=1`` in the environment, the tree trainer has a value model (warm-started from the policy, its
+head seeded) and the value model's gradients are saved too.
 """
 
 from __future__ import annotations
@@ -60,9 +62,28 @@ def main(out_dir, model_dir, loss_type, trainer="tree"):
         loss_type=loss_type,
         **batch,
     )
-    t = make_trainer(cls, config, model=model_dir, callbacks=[recorder], dataset=unequal_dataset())
+    extra, value_grads = {}, []
+    if os.environ.get("VALUE_MODEL") == "1":
+        from transformers import AutoModelForCausalLM
+
+        from trl_dta import value_model_from
+
+        critic = value_model_from(AutoModelForCausalLM.from_pretrained(model_dir))
+        with torch.no_grad():
+            critic.score.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(3))
+        extra["value_model"] = critic
+    t = make_trainer(cls, config, model=model_dir, callbacks=[recorder], dataset=unequal_dataset(), **extra)
+    if extra:
+        step = t._critic.step
+
+        def recorded_step():
+            value_grads.append({n: p.grad.clone() for n, p in t._critic.model.named_parameters()})
+            return step()
+
+        t._critic.step = recorded_step
     t.train()
-    torch.save({"grads": recorder.grads, "rows": rows}, os.path.join(out_dir, f"{trainer}{rank}.pt"))
+    saved = {"grads": recorder.grads, "rows": rows, "value_grads": value_grads}
+    torch.save(saved, os.path.join(out_dir, f"{trainer}{rank}.pt"))
 
 
 if __name__ == "__main__":

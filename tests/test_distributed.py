@@ -18,9 +18,9 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 TOL = 1e-4
 
 
-def run(out, model_dir, loss_type, trainer, procs, accumulation=1):
+def run(out, model_dir, loss_type, trainer, procs, accumulation=1, value_model=False):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "REFERENCE_WORLD": "2", "PYTHONUNBUFFERED": "1",
-           "GRAD_ACCUM": str(accumulation)}  # fmt: skip
+           "GRAD_ACCUM": str(accumulation), "VALUE_MODEL": str(int(value_model))}  # fmt: skip
     if procs == 1:
         cmd = [sys.executable, str(WORKER)]
     else:
@@ -48,3 +48,17 @@ def test_two_process_gradients_equal_stock_trl(tmp_path, model_dir, loss_type, r
         assert sorted(r["rows"][0] for r in tree) == [4, 12]
     else:  # per-micro-batch statistics: TRL's per-rank batches are kept
         assert [r["rows"][0] for r in tree] == [8, 8]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_two_process_value_model_equals_one_process(tmp_path, model_dir, loss_type):
+    """PPO with a value model under DDP: the re-partitioned rollouts, advantages whitened over both ranks,
+    the value loss averaged over both: the policy's and the value model's gradients equal one process with
+    the whole batch."""
+    two = run(tmp_path, model_dir, loss_type, "tree", 2, value_model=True)
+    (tmp_path / "one").mkdir()
+    (one,) = run(tmp_path / "one", model_dir, loss_type, "tree", 1, value_model=True)
+    for step in range(2):
+        for rank in range(2):
+            assert max_rel_diff(two[rank]["grads"][step], one["grads"][step]) <= TOL
+            assert max_rel_diff(two[rank]["value_grads"][step], one["value_grads"][step]) <= TOL

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = ROOT / "docs" / "options.md"
 # the user-facing docs: where an old metric name would mislead
 USER_DOCS = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-METRIC_PREFIXES = ("tree/", "perf/")
+METRIC_PREFIXES = ("tree/", "perf/", "value/")
+STEP_PREFIXES = ("tree/", "value_tree/")  # the step seam's metrics, f"{p}...": the policy's, a value model's
 # old name -> pattern of the name as a whole (not a prefix of the new one)
 OLD_METRICS = {
     "generation_time": r"(?<![\w/])generation_time(?!\w)",
@@ -43,13 +44,14 @@ def _first_column_names(text: str, pattern: str) -> set[str]:
 
 
 def _logged_metrics() -> set[str]:
-    """The metric names the library logs, read from its source: string literals ``tree/...`` and ``perf/...``;
-    the one computed name, ``f"tree/{name}"``, is a budget of ``Budgets.metrics()``."""
+    """The metric names the library logs, read from its source: string literals ``tree/...``, ``perf/...`` and
+    ``value/...``, and the step seam's names ``f"{p}suffix"`` under each of :data:`STEP_PREFIXES`; the one
+    computed suffix, ``f"{p}{name}"``, is a budget of ``Budgets.metrics()``."""
     from trl_dta.walk.budgets import Budgets, TokenBudgets
 
     budgets = Budgets()
     budgets.use(TokenBudgets(*range(1, len(dataclasses.fields(TokenBudgets)) + 1)))
-    names, computed = set(), []
+    names, suffixes, computed = set(), set(), []
     for path in sorted((ROOT / "trl_dta").rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         parts = {id(v) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for v in node.values}
@@ -58,12 +60,24 @@ def _logged_metrics() -> set[str]:
                 head = node.values[0] if node.values else None
                 if isinstance(head, ast.Constant) and str(head.value).startswith(METRIC_PREFIXES):
                     computed.append(f"{path.relative_to(ROOT)}: {ast.unparse(node)}")
+                elif _is_prefix(head) and len(node.values) == 2 and isinstance(node.values[1], ast.Constant):
+                    suffixes.add(node.values[1].value)
+                elif _is_prefix(head):
+                    computed.append(f"{path.relative_to(ROOT)}: {ast.unparse(node)}")
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in parts:
-                if re.fullmatch(r"(tree|perf)/[a-z0-9_/]+", node.value):
+                if re.fullmatch(r"(tree|perf|value)/[a-z0-9_/]+", node.value):
                     names.add(node.value)
     # a new computed name fails here: say in this test where its names come from
-    assert computed == ["trl_dta/train/step.py: f'tree/{name}'"], computed
-    return names | {f"tree/{name}" for name in budgets.metrics()}
+    assert computed == ["trl_dta/train/step.py: f'{p}{name}'"], computed
+    suffixes |= set(budgets.metrics())
+    return names | {prefix + suffix for prefix in STEP_PREFIXES for suffix in suffixes}
+
+
+def _is_prefix(value) -> bool:
+    """``{p}`` or ``{self.prefix}``: the step seam's metric prefix in an f-string."""
+    if not isinstance(value, ast.FormattedValue):
+        return False
+    return ast.unparse(value.value) in ("p", "self.prefix")
 
 
 def test_every_logged_metric_is_documented_and_every_documented_one_is_logged():
@@ -71,7 +85,9 @@ def test_every_logged_metric_is_documented_and_every_documented_one_is_logged():
     assert {"tree/time_s", "tree/peak_memory_gib", "tree/check_error", "tree/block_size"} <= logged
     assert "perf/generation_s" in logged
     metrics = _section(OPTIONS.read_text(), "## Metrics")
-    documented = _first_column_names(metrics, r"(?:tree|perf)/[a-z0-9_/]+")
+    documented = _first_column_names(metrics, r"(?:tree|perf|value)/[a-z0-9_/]+")
+    assert "| `value_tree/*` |" in metrics  # one row for the value model's walk: the step seam's tree/* names
+    documented |= {"value_" + name for name in documented if "value_" + name in logged}
     assert not logged - documented, f"logged, not in docs/options.md's Metrics table: {logged - documented}"
     assert not documented - logged, f"in docs/options.md's Metrics table, never logged: {documented - logged}"
 

@@ -155,3 +155,110 @@ def test_policy_and_value_gradients_equal_a_dense_ppo_step(tmp_path, loss_type):
 def test_lora_policy_and_lora_value_model_equal_a_dense_ppo_step(tmp_path):
     trainer, recorder = train(tmp_path, policy_lora=True, critic_lora=True)
     assert_dense_ppo(trainer, recorder)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Learning per-leaf targets, resume, loading, refusals
+# ------------------------------------------------------------------------------------------------------------
+def test_the_value_model_learns_each_leafs_own_target_on_a_shared_prefix():
+    """8 rollouts share a prompt and a first chunk, then a decisive token sets each one's return to 1 or 0.
+    Trained through the step seam, each sequence with its own targets, the values that have seen the
+    decisive token reach their own rollout's return, those before it the rollouts' mean: a walk that kept
+    one leaf's targets on the shared tokens would fit that leaf's return there and fail both."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    from trl_dta.train.ppo_values import ValueRowLoss
+    from trl_dta.train.step import StepSequence, StepWalker
+
+    critic = value_model_from(tiny_model()).eval()  # (its head's dropout off)
+    prompt, chunk, tail = list(range(10, 20)), list(range(30, 36)), list(range(40, 44))
+    returns = [float(i % 2) for i in range(8)]
+    rows = [prompt + chunk + [60 + i] + tail for i in range(8)]  # the decisive token: one per rollout
+    seqs = [StepSequence(r, 0, len(prompt) - 1) for r in rows]
+    width = len(chunk) + 1 + len(tail)
+    mask = torch.ones(8, width)
+    targets = torch.tensor(returns)[:, None].expand(8, width)
+    loss = ValueRowLoss(mask, torch.zeros(8, width), targets, norm=8 * width, cliprange_value=None)
+    walker = StepWalker(SimpleNamespace(), Accelerator(cpu=True), critic)
+    optimizer = torch.optim.Adam(critic.parameters(), lr=1e-2)
+    for _ in range(150):
+        with walker.step(critic, seqs) as step:
+            step.backward(lambda k, values, _: loss(k, values), entropies=False)
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():  # dense forwards: the values the model learnt
+        values = torch.stack(
+            [critic(input_ids=torch.tensor([r])).logits[0, len(prompt) - 1 : -1, 0] for r in rows]
+        )
+    before, after = (
+        values[:, : len(chunk) + 1],
+        values[:, len(chunk) + 1 :],
+    )  # before/after the decisive token
+    assert (before - 0.5).abs().max() < 0.05, before
+    assert (after - torch.tensor(returns)[:, None]).abs().max() < 0.05, after
+
+
+def test_resume_takes_the_same_steps_as_an_uninterrupted_run(tmp_path):
+    """Adam for both models (their optimizer states matter from the step after the resume), saved every 2
+    steps: resumed from checkpoint-2, steps 3 and 4 have the gradients of the uninterrupted run's."""
+    steps = dict(optim="adamw_torch", learning_rate=1e-3, max_steps=4, save_strategy="steps", save_steps=2)
+    full, full_rec = train(tmp_path / "full", **steps)
+    first, _ = train(tmp_path / "resumed", **{**steps, "max_steps": 2})
+    assert (tmp_path / "resumed" / "checkpoint-2" / "value_model" / "optimizer.pt").exists()
+    tokenizer = tiny_tokenizer()
+    policy = tiny_model(tokenizer)
+    critic = value_model_from(policy)
+    recorder = Recorder()
+    config = make_config(tmp_path / "resumed", TreePPOConfig, **{**GA2, **steps})
+    second = make_trainer(TreeScripted, config, model=policy, value_model=critic, callbacks=[recorder])
+    recorder.attach(second)
+    second.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-2"))
+    assert len(recorder.policy_grads) == len(recorder.value_grads) == 2
+    for step in range(2):
+        assert max_rel_diff(recorder.policy_grads[step], full_rec.policy_grads[2 + step]) <= TOL
+        assert max_rel_diff(recorder.value_grads[step], full_rec.value_grads[2 + step]) <= TOL
+
+
+def test_a_path_loads_a_token_classifier_warm_started_with_a_zero_head_and_saves_it_beside(tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    tiny_model(tiny_tokenizer()).save_pretrained(tmp_path / "policy")
+    config = make_config(tmp_path / "out", TreePPOConfig, max_steps=1)
+    trainer = make_trainer(TreeScripted, config, model=str(tmp_path / "policy"),
+                           value_model=str(tmp_path / "policy"))  # fmt: skip
+    critic = trainer._critic.model
+    assert type(critic).__name__ == "Qwen3ForTokenClassification" and critic.config.num_labels == 1
+    assert not critic.score.weight.any()
+    for name, p in critic.model.named_parameters():  # the decoder: the policy's weights
+        torch.testing.assert_close(p, trainer.model.model.get_parameter(name), rtol=0, atol=0)
+    trainer.train()
+    trainer.save_model(str(tmp_path / "final"))
+    saved = AutoModelForTokenClassification.from_pretrained(tmp_path / "final" / "value_model")
+    for (name, p), (_, q) in zip(critic.named_parameters(), saved.named_parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0, msg=name)
+    assert critic.score.weight.any()  # (it trained)
+
+
+def test_what_a_value_model_cannot_do_is_refused_when_the_trainer_is_built(tmp_path):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from trl_dta.train.refusals import check_value_model
+
+    for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+        with pytest.raises(ValueError, match="train with a value model on one process or under DDP"):
+            check_value_model("Qwen/Qwen3-0.6B", SimpleNamespace(distributed_type=kind))
+    with pytest.raises(TypeError, match="value_model must be a Hub id or a path"):
+        make_trainer(TreeScripted, make_config(tmp_path, TreePPOConfig), value_model=3)
+    policy = tiny_model(tiny_tokenizer())
+    dropout = value_model_from(policy)
+    assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in dropout.modules())
+    config = make_config(tmp_path, TreePPOConfig, disable_dropout=False)
+    with pytest.raises(Exception, match="(?i)dropout"):
+        make_trainer(TreeScripted, config, model=policy, value_model=dropout)
+    small = value_model_from(tiny_model(tiny_tokenizer(), vocab_size=200))
+    with pytest.raises(Exception, match="(?i)tokenizer"):
+        make_trainer(TreeScripted, make_config(tmp_path, TreePPOConfig), model=policy, value_model=small)

@@ -12,10 +12,11 @@ the rest both.
   (TRL's MoE load-balancing loss on a trie), ``gradient_check.py`` (``tree_check_gradients``).
 * PPO: ``ppo_config.py`` (:class:`TreePPOConfig`), ``ppo_trainer.py`` (the trainer: TRL's hooks),
   ``ppo_step.py`` (a step's TRL micro-batches as trie sequences, and the walk's values back in TRL's shapes),
-  ``ppo_losses.py`` (TRL's loss per row), ``ppo_values.py`` (a value model's arithmetic: GAE over the
-  policy's own tokens, whitening, the clipped value loss; not yet used by a trainer), ``ppo_rows.py`` (a
+  ``ppo_losses.py`` (TRL's loss per row), ``ppo_rows.py`` (a
   TRL batch's rows as token sequences; batches merged and re-cut row-wise), ``ppo_repartition.py`` (a
-  step's rollouts re-split across ranks).
+  step's rollouts re-split across ranks). PPO with a value model: ``ppo_value_args.py`` (its options),
+  ``ppo_values.py`` (its arithmetic: GAE over the policy's own tokens, whitening, the clipped value loss),
+  ``ppo_critic.py`` (loading it, its optimizer and checkpoint), ``ppo_value_model.py`` (the trainer's hooks).
 * SFT: ``sft_config.py`` (:class:`TreeSFTConfig`), ``sft_trainer.py`` (the trainer), ``sft_samples.py``
   (TRL's SFT batches as samples).
 
