@@ -36,6 +36,10 @@ Features:
 - Warm start: `--warm_start_steps` SFT steps (`TreeSFTTrainer`) on the training tasks' gold
   conversations before RL (`recipe_utils/warm_start.py`). Tasks: `--synthetic_tasks` with `--domain mock`
   (`trl_dta/envs/tau2/synthetic.py`); `--policy false` drops the domain policy from the prompt.
+- Value model: `--value_model policy` trains PPO with a critic built from the policy's weights after the
+  warm start (`trl_dta.value_model_from`: its decoder, a zero value head), or `--value_model PATH_OR_ID`
+  loads one; `--gamma`, `--lam`, `--cliprange_value`, `--value_learning_rate` (docs/ppo-critic.md). One
+  process or DDP; not with `--no_tree` (TRL has no PPO trainer).
 - A/B: `--no_tree` trains with stock `trl.GRPOTrainer` (and warm-starts with `trl.SFTTrainer`) on the same
   settings.
 - Outputs in `output_dir`: checkpoints, the final model, `trainer_state.json`, `reward_curve.png`
@@ -169,6 +173,14 @@ class ScriptArguments:
     greedy_eval_steps: int = field(
         default=0, metadata={"help": "With --greedy_eval: also evaluate every this many RL steps (0: never)."}
     )
+    value_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "PPO with a value model: 'policy' builds one from the policy's weights (after the warm "
+            "start; a zero value head), else a Hub id or path of a value model (unset: no value model, "
+            "TRL's group-relative advantages). docs/ppo-critic.md."
+        },
+    )
     no_tree: bool = field(
         default=False,
         metadata={
@@ -201,6 +213,8 @@ class ScriptArguments:
             raise ValueError("An LLM user needs both --user_base_url and --user_model.")
         if not 0 <= self.tool_latency < float("inf"):
             raise ValueError(f"--tool_latency is seconds >= 0, got {self.tool_latency}.")
+        if self.value_model and self.no_tree:
+            raise ValueError("--value_model needs the tree trainer: TRL has no PPO trainer (drop --no_tree).")
 
 
 def make_parser() -> TrlParser:
@@ -239,7 +253,7 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
     from trl import GRPOTrainer
     from trl.trainer.utils import create_model_from_path
 
-    from trl_dta import TreePPOTrainer
+    from trl_dta import TreePPOTrainer, value_model_from
     from trl_dta.envs import LLMUser, Tau2Environment, load_tau2_dataset
     from trl_dta.envs.tau2.synthetic import add_mock_create_tasks
 
@@ -340,6 +354,11 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
             logger.info("held-out success after the warm start: %.3f", evaluations[-1][1])
 
     trainer_cls = GRPOTrainer if script_args.no_tree else TreePPOTrainer
+    extra = {}
+    if script_args.value_model == "policy":  # the policy's weights now (after the warm start); a path: loaded
+        extra["value_model"] = model if isinstance(model, str) else value_model_from(model)
+    elif script_args.value_model:
+        extra["value_model"] = script_args.value_model
     trainer = trainer_cls(
         model=model,
         args=training_args,
@@ -349,6 +368,7 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
         environment_factory=environment_factory,  # TRL adds the environment's get_reward as a reward
         peft_config=get_peft_config(model_args),
         processing_class=tokenizer,
+        **extra,
     )
     if script_args.greedy_eval:
         trainer.add_callback(
@@ -384,7 +404,7 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
         if steps:
             watched = ("step", "reward", "reward_std", "grad_norm")
             summary["last_step"] = {
-                k: v for k, v in steps[-1].items() if k in watched or k.startswith("tree/")
+                k: v for k, v in steps[-1].items() if k in watched or k.startswith(("tree/", "value"))
             }
         summary["wall_s"] = round(time.perf_counter() - started, 1)
         logger.info("done: %s", json.dumps(summary))
