@@ -50,9 +50,11 @@ import torch
 
 from ..trie import PrefixTrie
 from ..walk.budgets import Budgets
+from ..walk.cost_model import CostModel
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
 from ..walk.preflight import preflight
+from .dense_fallback import Prediction, checked_mode, decide
 from .gradient_check import GradientCheck
 from .load_balancing import step_router_grad
 from .multi_process import StepFlow, check_distributed
@@ -130,6 +132,10 @@ class StepWalker:
             "oom_retries": _option(args, "tree_oom_retries"),
         }
         self.executors: dict[int, TreeExecutor] = {}
+        self.cost_fit, self.cost_cache = _option(args, "tree_cost_fit"), _option(args, "tree_cost_cache")
+        self.dense_fallback = checked_mode(_option(args, "tree_dense_fallback"), self.multi_process)
+        self.dense_margin = _option(args, "tree_dense_margin")
+        self.prediction: Prediction | None = None  # prefer_dense's last
 
     def executor(self, model) -> TreeExecutor:
         """The executor of ``model`` (the trainer's, wrapped or not; built, and probed, at the first call)."""
@@ -137,7 +143,10 @@ class StepWalker:
         module = self.accelerator.unwrap_model(model)
         if id(module) not in self.executors:
             budgets = Budgets(*self.budget_options, reserved_bytes=self.reserved_bytes, prefix="tree_")
-            self.executors[id(module)] = TreeExecutor(module, budgets=budgets, **self.options)
+            costs = None if self.cost_fit == "off" else CostModel(self.cost_fit, self.cost_cache)
+            self.executors[id(module)] = TreeExecutor(
+                module, budgets=budgets, cost_model=costs, **self.options
+            )
         return self.executors[id(module)]
 
     def reserve(self, reserved_bytes: float) -> None:
@@ -217,6 +226,18 @@ class StepWalker:
             check = lambda: GradientCheck(dense_loss, model, batches, self.check_tolerance)
             self.check_gradients = False  # (once)
         return StepWalk(self, model, sequences, training, metrics, check)
+
+    def prefer_dense(self, model, sequences: Sequence[StepSequence], *, no_grad_passes: float = 0.0,
+                     checkpointing: bool = False, metrics=None) -> bool:  # fmt: skip
+        """Whether the step of ``sequences`` should take TRL's dense path instead of the walk
+        (``tree_dense_fallback``: :func:`trl_dta.train.dense_fallback.decide`, which documents the arguments);
+        logs ``tree/path`` and the predicted seconds into ``metrics``; the prediction stays in
+        :attr:`prediction`."""
+        self.prediction, dense = decide(
+            self.executor(model), sequences, self.dense_fallback, self.dense_margin, self.multi_process,
+            no_grad_passes, checkpointing, metrics,
+        )  # fmt: skip
+        return dense
 
     def micro_batch_done(self, model) -> None:
         """Call at the end of each training micro-batch (``compute_loss``): under DDP, after the step's last
@@ -364,6 +385,9 @@ class StepWalk(AbstractContextManager):
         metrics["tree/oom_retries"].append(float(self.walker.take_oom_retries()))
         if self.peak_memory is not None:
             metrics["tree/peak_memory_gib"].append(self.peak_memory / 2**30)
+        if executor.cost_model is not None:  # the constants in use, the last measured gradient walk
+            for name, value in executor.cost_model.metrics().items():
+                metrics[name].append(value)
 
 
 def _idle_trie() -> PrefixTrie:

@@ -181,15 +181,20 @@ class CostModel:
             self._unchanged += 1
 
     def metrics(self) -> dict[str, float]:
-        """The constants in use and the latest measured walk (the trainers log them as ``tree/*``)."""
+        """The constants in use and the latest measured gradient walk, as the trainers log them."""
         self._collect()
         if self.active is None:
             return {}
         a = self.active
-        out = {"cost_fixed_s": a.fixed, "cost_token_s": a.per_token, "cost_pair_s": a.per_pair,
-               "cost_scored_s": a.per_scored, "cost_calibrated": float(self.calibrated)}  # fmt: skip
+        out = {
+            "tree/cost_fixed_s": a.fixed,
+            "tree/cost_token_s": a.per_token,
+            "tree/cost_pair_s": a.per_pair,
+            "tree/cost_scored_s": a.per_scored,
+            "tree/cost_calibrated": float(self.calibrated),
+        }
         if self.last_walk_s is not None:
-            out["walk_s"] = self.last_walk_s
+            out["tree/walk_s"] = self.last_walk_s
         return out
 
 
