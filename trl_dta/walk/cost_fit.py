@@ -75,12 +75,14 @@ def fit_constants(
 ) -> tuple[Constants, float]:
     """The constants that best explain ``observations`` (module docstring), and their root-mean-square
     relative residual. Observations with no time or no terms are left out; with none, the prior.
-    ``scale``: the constants the ratios are taken to (default: ``prior``; an online fit passes the shipped
-    ones and its last fit as ``prior``, so that a constant fitted to 0 once can grow back)."""
+    ``scale``: the shipped constants, where ``prior`` is an earlier fit (online): a constant fitted to 0 once
+    is pulled in units of 1% of its shipped value, so that it can grow back."""
     rows = [o for o in observations if o.seconds > 0 and any(t > 0 for t in o.terms)]
-    base = np.array([max(p, 1e-30) for p in (scale or prior)], dtype=np.float64)
     if not rows:
         return prior, 0.0
+    # the ratios' unit: the prior, unless it is near 0 against ``scale`` (a constant fitted to 0 grows back)
+    scale = np.array(scale or prior, dtype=np.float64)
+    base = np.maximum(np.maximum(np.array(prior, dtype=np.float64), 1e-2 * scale), 1e-30)
     target = np.array(prior, dtype=np.float64) / base
     terms = np.array([o.terms for o in rows], dtype=np.float64)
     seconds = np.array([o.seconds for o in rows], dtype=np.float64)

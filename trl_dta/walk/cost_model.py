@@ -13,9 +13,9 @@ over a window of recent observations, the last fit the prior of the next):
   launches and the compute).
 
 The plan uses the fitted constants once ``MIN_OBSERVATIONS`` are measured, and adopts a new fit only where
-it changes the last walk's predicted time by more than ``REPLAN`` (a plan is rebuilt for each walk: what
-changes is the constants it is built with). Once the constants have not changed for ``STABLE`` timed walks,
-only one walk in ``SAMPLE_EVERY`` is timed. Every adopted fit is kept in the cache
+it changes the predicted time of a recent observation by more than ``REPLAN`` (a plan is rebuilt for each
+walk: what changes is the constants it is built with). Once the constants have not changed for ``STABLE``
+timed walks, only one walk in ``SAMPLE_EVERY`` is timed. Every adopted fit is kept in the cache
 (:mod:`trl_dta.walk.cost_cache`) under the device's name and the model's signature; the next run starts
 from it.
 
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 MODES = ("auto", "reset", "frozen")
 WINDOW = 256  # observations kept for the fit (CPU: calls; CUDA: walks)
 MIN_OBSERVATIONS = 8  # before the fit replaces the prior
-REPLAN = 0.03  # a fit that moves the last walk's predicted time by more than this is adopted
+REPLAN = 0.03  # a fit that moves an observation's predicted time by more than this is adopted
 STABLE = 5  # timed walks without a change of constants, after which only a sample is timed
 SAMPLE_EVERY = 10
 
@@ -90,19 +90,20 @@ class CostModel:
         from .budgets import activation_dtype
 
         shipped = CallCost.for_model(lm.config, device.type, lm.block_sparse)
-        given = (
-            self._given_prior or shipped
-        )  # (its constants; the attention kind and overlap are the device's)
-        self.template = replace(
-            shipped, fixed=given.fixed, per_token=given.per_token, per_pair=given.per_pair
-        )
+        given = self._given_prior or shipped  # (its constants; attention kind and overlap: the device's)
+        template = replace(shipped, fixed=given.fixed, per_token=given.per_token, per_pair=given.per_pair)
         text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
-        scored = 6 * text.hidden_size * (1 if lm.value_head else text.vocab_size)
-        prior = Constants(self.template.fixed, self.template.per_token, self.template.per_pair,
-                          scored / device_costs(device.type).flop_rate)  # fmt: skip
+        scored = 6 * text.hidden_size * (1 if lm.value_head else text.vocab_size)  # (the LM head's FLOPs)
+        rate = device_costs(device.type).flop_rate
+        prior = Constants(template.fixed, template.per_token, template.per_pair, scored / rate)
         attention = getattr(lm.config, "_attn_implementation", None) or "eager"
         signature = model_signature(lm.config, activation_dtype(lm), attention, lm.block_sparse)
-        self.key = f"{device_name(device)} | {signature}"
+        self.initialise(template, prior, f"{device_name(device)} | {signature}")
+
+    def initialise(self, template: CallCost, prior: Constants, key: str) -> None:
+        """Start from ``prior`` (the constants) for ``template``'s attention kind and overlap, kept under
+        ``key``: what :meth:`start` does with a model; tests and benchmarks call it without one."""
+        self.template, self.key = template, key
         self.prior = self.active = prior
         cached = None
         if self.mode == "reset":
@@ -157,7 +158,7 @@ class CostModel:
 
     def add(self, observations: list[Observation], walk_s: float, calls_s: float | None = None) -> None:
         """Record a timed walk: its ``observations``, its seconds, and (CPU) the seconds of its calls; refit,
-        and adopt the fit where it moves the walk's predicted time by more than ``REPLAN``."""
+        and adopt the fit where it moves the predicted times by more than ``REPLAN`` (:meth:`change`)."""
         self.last_walk_s = walk_s
         if calls_s is not None:  # (a running mean of what the calls leave out)
             self.overhead_s += 0.3 * (max(walk_s - calls_s, 0.0) - self.overhead_s)
@@ -169,8 +170,7 @@ class CostModel:
         )
         if self.observed < MIN_OBSERVATIONS:
             return
-        before, after = self.seconds(self.last_terms), self.seconds(self.last_terms, self.fitted)
-        if self.active is self.prior or abs(after / max(before, 1e-30) - 1) > REPLAN:
+        if self.active is self.prior or self.change() > REPLAN:
             self.active, self._unchanged = self.fitted, 0
             logger.info(
                 "Call costs fitted on this device: %s (residual %.1f%%)", self.active, 100 * self.residual
@@ -179,6 +179,17 @@ class CostModel:
                 self.cache.save(self.key, self.active, self.observed)
         else:
             self._unchanged += 1
+
+    def change(self) -> float:
+        """How much the latest fit moves the predicted time of any observation in the window from the
+        constants in use (the largest relative change: a constant that only calls of one shape pay for still
+        counts; a fit that moves what no walk pays for does not)."""
+        if self.fitted is None or not self.window:
+            return 0.0
+        return max(
+            abs(self.seconds(o.terms, self.fitted) / max(self.seconds(o.terms), 1e-30) - 1)
+            for o in self.window
+        )
 
     def metrics(self) -> dict[str, float]:
         """The constants in use and the latest measured gradient walk, as the trainers log them."""
