@@ -58,9 +58,18 @@ def offline_costs(path: str, config, device: str) -> CallCost:
 
 
 def timed(executor, trie, froms) -> float:
+    """Seconds of a gradient walk (CUDA: synchronised here, by the benchmark, not by the walk)."""
+    sync = torch.cuda.synchronize if executor.device.type == "cuda" else lambda: None
+    sync()
     start = time.perf_counter()
     executor.backward(trie, lambda i, lp, e: -lp.mean(), score_from=froms)
+    sync()
     return time.perf_counter() - start
+
+
+def plan_calls(executor, trie) -> int:
+    """Forward + backward calls of the walk of ``trie`` as ``executor`` plans it (a push and its pop: one)."""
+    return sum(1 for step in executor.plan(trie, record=False) if type(step).__name__ != "Pop")
 
 
 def main() -> None:
@@ -83,13 +92,11 @@ def main() -> None:
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(device).train()
     offline = offline_costs(args.offline, config, device.type)
-    cpu = CallCost.for_model(config, "cpu")
-    priors = {
-        "cuda": CallCost.for_model(config, "cuda"),
-        "cpu x10": replace(
-            cpu, fixed=10 * cpu.fixed, per_token=10 * cpu.per_token, per_pair=10 * cpu.per_pair
-        ),
-    }
+    cpu, cuda = CallCost.for_model(config, "cpu"), CallCost.for_model(config, "cuda")
+    wrong = replace(cpu, fixed=10 * cpu.fixed, per_token=10 * cpu.per_token, per_pair=10 * cpu.per_pair)
+    priors = {"cuda": cuda, "cpu x10": wrong}  # deliberately wrong on a CPU
+    if device.type == "cuda":  # on a GPU: the shipped constants, and their launch cost x4
+        priors = {"shipped": cuda, "launch x4": replace(cuda, fixed=4 * cuda.fixed)}
     names = ("fixed", "per_token", "per_pair")
     report = {"device": args.device, "threads": args.threads, "hidden": args.hidden, "layers": args.layers,
               "memory": args.memory, "offline": {k: getattr(offline, k) for k in names},
@@ -111,6 +118,12 @@ def main() -> None:
             ratio = "" if predicted is None else f", predicted {predicted:.2f} s ({predicted / seconds:.2f}x)"
             print(f"[{name}] step {k}: {seconds:.2f} s{ratio}; fixed {a.fixed * 1e3:.2f} ms, per token "
                   f"{a.per_token * 1e6:.1f} us, per pair {a.per_pair * 1e9:.2f} ns", flush=True)  # fmt: skip
+        probe_trie, _ = step_trie(random.Random(1), config.vocab_size)  # the plan before and after the fit
+        before = TreeExecutor(model, memory_budget=args.memory)
+        before.call_cost = replace(
+            prior, block_sparse=costs.template.block_sparse, overlap=costs.template.overlap
+        )
+        plan = {"calls_before": plan_calls(before, probe_trie), "calls_after": plan_calls(online, probe_trie)}
         fitted = costs.active
         relative = {k: getattr(fitted, k) / getattr(offline, k) for k in ("fixed", "per_token", "per_pair")}
         # alternating on the same tries: the walk planned with the online fit, then with the offline one
@@ -124,12 +137,17 @@ def main() -> None:
             walked = timed(online, trie, froms)
             pairs.append(walked / timed(reference, trie, froms))
             predictions.append(predicted / walked)
-        report["runs"][name] = {"prior": {k: getattr(prior, k) for k in ("fixed", "per_token", "per_pair")},
+        report["runs"][name] = {"prior": {k: getattr(prior, k) for k in names}, "plan": plan,
                                 "steps": steps, "fitted_vs_offline": relative,
                                 "online_vs_offline_time": pairs,
                                 "median_online_vs_offline_time": statistics.median(pairs),
                                 "predicted_vs_measured": predictions,
                                 "median_predicted_vs_measured": statistics.median(predictions)}  # fmt: skip
+        print(
+            f"[{name}] plan of a reference step: {plan['calls_before']} calls with the prior, "
+            f"{plan['calls_after']} with the fit",
+            flush=True,
+        )
         print(f"[{name}] fitted / offline: " + ", ".join(f"{k} {v:.2f}" for k, v in relative.items())
               + f"; walk time online / offline plan: median {statistics.median(pairs):.3f}; predicted / "
               f"measured: median {statistics.median(predictions):.3f}", flush=True)  # fmt: skip

@@ -25,9 +25,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-PRIOR_WEIGHT = (
-    1e-3  # squared weight of each ratio's pull toward 1, against one observation's relative residual
-)
+# the squared weight of each ratio's pull toward the prior, against one observation's relative residual:
+# enough to hold a direction no observation determines, too little to slow a fit away from a wrong prior
+PRIOR_WEIGHT = 1e-4
 
 
 class Constants(NamedTuple):
