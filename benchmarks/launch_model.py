@@ -218,7 +218,7 @@ def run_shape(args, name: str, scale: float) -> dict:
                   f"{walk['recompute_share']:.0%}, predicted {walk['predicted_speedup']:.2f}x "
                   f"({walk['of_flop_ideal']:.2f} of the FLOP ideal {report['flop_ratio']:.2f}; dedup "
                   f"{trie.dedup_ratio:.2f})", flush=True)  # fmt: skip
-            if memory is not None and args.launch_factors:
+            if memory is not None and args.launch_factors and label == configs[0][0]:  # (the first budget)
                 walk["calibration"] = calibration(args, (_LM, trie, seqs, froms), budgets, cost, sparse,
                                                   kernels, planned, dense, report["flop_ratio"])  # fmt: skip
     return report
