@@ -41,7 +41,7 @@ from .plan import PackedSubtree, Pop, Push, SiblingLeaves, step_terms
 
 logger = logging.getLogger(__name__)
 MODES = ("auto", "reset", "frozen")
-WINDOW = 256  # observations kept for the fit (CPU: calls; CUDA: walks)
+WINDOW = 64  # observations kept for the fit (CPU: calls; CUDA: walks): recent ones, the plan's call sizes
 MIN_OBSERVATIONS = 8  # before the fit replaces the prior
 REPLAN = 0.03  # a fit that moves an observation's predicted time by more than this is adopted
 STABLE = 5  # timed walks without a change of constants, after which only a sample is timed
