@@ -25,7 +25,11 @@
 #      script above 1e-5; then a Qwen3-1.7B-shaped walk with memory_budget="auto", sdpa and flex side by side:
 #      budgets, calls, walk vs dense, CUDA peak, recompute, host syncs per walk); ~2 min;
 #   5. the GPU plan on paper: `launch_model.py` (kernels and FLOPs per step, walk vs dense, for Qwen3-1.7B on
-#      the tau2-2x8-10k shape: the predicted speedup the benchmark's tau2 row then checks); ~2 min on CPU;
+#      the tau2-2x8-10k shape: the predicted speedup the benchmark's tau2 row then checks; and the plan built
+#      with the shipped constants beside the calibrated one where launches cost 0.5-4x); ~3 min on CPU;
+#   5c. the cost model fitted on this GPU (issue 41): `call_costs.py --device cuda` (the offline fit), then
+#      `cost_fit.py --device cuda`: the fitted constants, the plan before and after calibration, predicted
+#      against measured walk times, from the shipped constants and from their launch cost x4; ~2 min;
 #   5b. memory next to a colocated vLLM engine (issue 33): `vllm_memory.py`, the CUDA peaks of the walk (block and
 #      calls 2048) and of dense + gradient checkpointing (TRL's micro-batches of 8, a chunked LM head) on the
 #      Qwen3-1.7B tau2-2x8-10k step, fp32 weights, bf16 autocast, beside its model on paper (docs/vllm.md: the KV
@@ -34,7 +38,7 @@
 #   6. benchmark: `peers.py --profile gpu` (Qwen3-0.6B then 1.7B shapes, random weights, bf16, sdpa and
 #      flash-attn if installed, 4k-16k contexts, torch.cuda.max_memory_allocated), tables in OUT_DIR.
 # Outputs (OUT_DIR): env.txt, parity.json, parity.log, fsdp2_smoke*.json, fsdp2_smoke.log, flex_parity.json,
-# device_walk.json, device_walk.log, launch_model.json,
+# device_walk.json, device_walk.log, launch_model.json, call_costs_cuda.json, cost_fit_cuda.json, cost_fit.log,
 # launch_model.log, vllm_memory_paper.json, vllm_memory.json, vllm_memory.log, peers_gpu.json,
 # peers_gpu.md, peers_gpu.log and the plots peers_gpu_speedup.png, peers_gpu_memory.png.
 set -euo pipefail
@@ -76,7 +80,8 @@ for f in "$PEERS" benchmarks/common.py benchmarks/peer_bench/__init__.py; do
     test -f "$f" || { echo "missing $f"; exit 1; }
 done
 "$PY" -m py_compile "$PEERS" benchmarks/common.py benchmarks/peer_bench/*.py benchmarks/fsdp2_smoke.py \
-    benchmarks/launch_model.py benchmarks/device_walk.py benchmarks/vllm_memory.py
+    benchmarks/launch_model.py benchmarks/device_walk.py benchmarks/vllm_memory.py benchmarks/cost_fit.py \
+    benchmarks/call_costs.py
 bash -n "${BASH_SOURCE[0]}"
 "$PY" - <<'PY' | tee "$OUT_DIR/env.txt"
 import sys, time
@@ -121,8 +126,11 @@ if [ $DRY = 1 ]; then
     "$PY" benchmarks/soak.py --mode executor --device cpu --steps 20 --every 5 --warmup 5 --oom_at 8 --hidden 64 \
         --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/soak.log" | grep -v -i warn | tail -n 3 || echo "soak: failed (not fatal)"
     echo "== launch model on CPU (lengths x 1/8, 60e9 B, flex and sdpa)"
-    "$PY" benchmarks/launch_model.py --scales 0.125 --cards "" --out "$OUT_DIR" 2>&1 \
+    "$PY" benchmarks/launch_model.py --scales 0.125 --cards "" --launch_factors 2 --out "$OUT_DIR" 2>&1 \
         | tee "$OUT_DIR/launch_model.log" | grep -v -i warn | tail -n 2
+    echo "== cost model fitted online on CPU (smoke: 2 layers, 3 steps)"
+    "$PY" benchmarks/cost_fit.py --device cpu --hidden 64 --layers 2 --steps 3 --compare 1 --threads 1 \
+        --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/cost_fit.log" | grep -v -i warn | tail -n 4
     echo "== device-sized walk on CPU (smoke: 1 layer, lengths x 1/32, sdpa only)"
     "$PY" benchmarks/device_walk.py --device cpu --layers 1 --scale 0.03125 --repeats 1 --out "$OUT_DIR" 2>&1 \
         | tee "$OUT_DIR/device_walk.log" | grep -v -i warn | tail -n 2
@@ -175,8 +183,18 @@ timeout 150 "$PY" benchmarks/soak.py --mode executor --device cuda --steps 200 -
 
 # ---- 5. the GPU plan on paper (CPU-side counts; the benchmark's tau2 row measures what it predicts)
 echo "== launch model (kernels and FLOPs per step, Qwen3-1.7B, tau2-2x8-10k)"
-timeout 300 "$PY" benchmarks/launch_model.py --scales 0.125 --out "$OUT_DIR" 2>&1 \
-    | tee "$OUT_DIR/launch_model.log" | grep -v -i warn | tail -n 6 || echo "launch model: failed (not fatal)"
+timeout 420 "$PY" benchmarks/launch_model.py --scales 0.125 --out "$OUT_DIR" 2>&1 \
+    | tee "$OUT_DIR/launch_model.log" | grep -v -i warn | tail -n 16 || echo "launch model: failed (not fatal)"
+
+# ---- 5c. the cost model fitted on this GPU (issue 41): the offline fit of call_costs.py, then the online fit
+# from the shipped constants and from their launch cost x4; prints the fitted constants, the plan before and
+# after calibration, and predicted against measured walk times (cost_fit_cuda.json); not fatal
+echo "== cost model fitted on this GPU (offline, then online)"
+timeout 150 "$PY" benchmarks/call_costs.py --device cuda --hidden 1152 --layers 8 --out "$OUT_DIR" 2>&1 \
+    | tee "$OUT_DIR/cost_fit.log" | grep -v -i warn | tail -n 5 || echo "call costs: failed (not fatal)"
+timeout 240 "$PY" benchmarks/cost_fit.py --device cuda --hidden 1152 --layers 8 --memory 60e9 --steps 12 \
+    --offline "$OUT_DIR/call_costs_cuda.json" --out "$OUT_DIR" 2>&1 | tee -a "$OUT_DIR/cost_fit.log" \
+    | grep -v -i warn | tail -n 32 || echo "cost fit: failed (not fatal)"
 
 # ---- 5b. memory next to a colocated vLLM engine (issue 33): walk vs dense + checkpointing CUDA peaks on the
 # Qwen3-1.7B tau2 step, beside the model on paper (the KV cache the difference leaves vLLM: docs/vllm.md)

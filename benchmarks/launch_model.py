@@ -22,8 +22,14 @@ of weights, gradients and Adam states, 90% of the card), and the calls are merge
 CPU budgets (what a GPU ran before memory budgets). Where the launch floor approaches the compute time,
 the walk needs fewer, larger calls (or CUDA graphs).
 
+Calibration (issue 41, ``--launch_factors``): where the device's true launch cost is ``f x`` the shipped one
+(0.5, 1, 2, 4), the walk's plan built with the shipped constants (uncalibrated) is set beside the plan built
+with the constants the online fit recovers (``trl_dta.walk.cost_model``: its fixed cost per call ``f x`` the
+shipped; tests/test_cost_model.py holds the fit to 5% on a simulated clock of this kind), each timed on
+paper against dense on that device (both sides' launches at ``f x launch_us``).
+
     python benchmarks/launch_model.py [--shapes tau2-2x8-10k] [--scales 1,0.125] [--launch_us 5]
-                                      [--tflops 989] [--mfu 0.4] [--out OUT_DIR]
+                                      [--tflops 989] [--mfu 0.4] [--launch_factors 0.5,1,2,4] [--out OUT_DIR]
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -211,7 +218,39 @@ def run_shape(args, name: str, scale: float) -> dict:
                   f"{walk['recompute_share']:.0%}, predicted {walk['predicted_speedup']:.2f}x "
                   f"({walk['of_flop_ideal']:.2f} of the FLOP ideal {report['flop_ratio']:.2f}; dedup "
                   f"{trie.dedup_ratio:.2f})", flush=True)  # fmt: skip
+            if memory is not None and args.launch_factors and label == configs[0][0]:  # (the first budget)
+                walk["calibration"] = calibration(args, (_LM, trie, seqs, froms), budgets, cost, sparse,
+                                                  kernels, planned, dense, report["flop_ratio"])  # fmt: skip
     return report
+
+
+def calibration(args, step, budgets, shipped: CallCost, sparse: bool, kernels: int, planned: dict,
+                dense: dict, flop_ratio: float) -> list[dict]:  # fmt: skip
+    """Per true launch factor ``f`` (module docstring): the uncalibrated plan (built with ``shipped``, its
+    ``kernels`` and ``planned`` FLOPs) and the calibrated one (built with ``f x`` the fixed cost), each as a
+    fraction of the FLOP ideal on a device whose launches cost ``f x launch_us``."""
+    lm, trie, seqs, froms = step
+    L, rate = QWEN3_1_7B["num_hidden_layers"], args.tflops * 1e12 * args.mfu
+    rows = []
+    for f in args.launch_factors:
+        launch_us = f * args.launch_us
+        dense_s = max(dense["kernels"] * launch_us * 1e-6, dense["compute_s"])
+        fitted = replace(shipped, fixed=f * shipped.fixed)
+        (k1, calls, plan), (k2, _, _) = (walk_ops(n, seqs, froms, budgets, fitted) for n in (1, 2))
+        sides = {
+            "uncalibrated": (kernels, planned["flops"]),
+            "calibrated": (k1 + (k2 - k1) * (L - 1), plan_flops(lm, trie, froms, plan, sparse)["flops"]),
+        }
+        row = {"launch_factor": f, "calibrated_calls": calls}
+        for side, (n, flops) in sides.items():
+            walk_s = max(n * launch_us * 1e-6, flops / rate)
+            row[side] = {"kernels": n, "walk_s": walk_s, "speedup": dense_s / walk_s,
+                         "of_flop_ideal": dense_s / walk_s / flop_ratio}  # fmt: skip
+        rows.append(row)
+        uncalibrated, calibrated = row["uncalibrated"]["of_flop_ideal"], row["calibrated"]["of_flop_ideal"]
+        print(f"  true launch {f:g}x: uncalibrated plan {uncalibrated:.2f} of the FLOP ideal, calibrated "
+              f"{calibrated:.2f} ({calls['forward']} forwards)", flush=True)  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -228,8 +267,14 @@ def main() -> None:
     parser.add_argument("--launch_us", type=float, default=5.0, help="host cost per kernel launch, µs")
     parser.add_argument("--tflops", type=float, default=989.0, help="peak dense bf16 TFLOP/s (H200)")
     parser.add_argument("--mfu", type=float, default=0.4, help="fraction of peak the matmuls reach")
+    parser.add_argument(
+        "--launch_factors",
+        default="0.5,1,2,4",
+        help="true launch cost / shipped, for the calibrated vs uncalibrated plan ('' for none)",
+    )
     parser.add_argument("--out", default="")
     args = parser.parse_args()
+    args.launch_factors = [float(f) for f in args.launch_factors.split(",") if f]
     args.memory = [float(m) for m in args.memory.split(",") if m]
     args.cards = [float(c) for c in args.cards.split(",") if c]
     args.kernels = [k for k in args.kernels.split(",") if k]

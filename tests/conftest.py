@@ -89,6 +89,13 @@ def _eager_in_input_dtype(module, query, key, value, attention_mask, scaling, dr
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
+@pytest.fixture(autouse=True)
+def _cost_cache(tmp_path_factory, monkeypatch):
+    """Each test keeps fitted call costs in a directory of its own (trl_dta/walk/cost_cache.py): none is read
+    from the user's cache or left there, and no test starts from another's fit."""
+    monkeypatch.setenv("TRL_DTA_CACHE_DIR", str(tmp_path_factory.mktemp("cost_cache")))
+
+
 @pytest.fixture(scope="module")
 def fp64_exact():
     """Keep HF's float32 casts in float64 (test-only), so two exact methods agree to ~1e-15 in float64.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -100,3 +101,22 @@ def test_sampler_yields_this_ranks_part():
         LexicographicPartitionSampler(seqs, num_replicas=3, rank=3)
     with pytest.raises(ValueError, match="num_parts"):
         lexicographic_partition(seqs, 0)
+
+
+def test_the_partition_balances_by_fitted_call_costs():
+    """With call costs whose attention dominates, long sequences weigh more than their tokens: the parts'
+    largest predicted cost is at most the token-balanced split's, by that cost."""
+    from trl_dta.walk.costs import CallCost
+
+    rng = random.Random(5)
+    seqs = [[rng.randrange(1, 50)] + [7] * rng.choice([20, 30, 400, 600]) for _ in range(24)]
+    costs = CallCost(fixed=1e-3, per_token=1e-6, per_pair=1e-7)
+
+    def cost(part):
+        return sum(costs.fixed + costs.per_token * len(seqs[i]) + costs.per_pair * len(seqs[i]) ** 2 / 2
+                   for i in part)  # fmt: skip
+
+    weighted, plain = lexicographic_partition(seqs, 4, costs), lexicographic_partition(seqs, 4)
+    assert sorted(i for p in weighted for i in p) == list(range(24))
+    assert max(map(cost, weighted)) <= max(map(cost, plain)) * 1.0001
+    assert max(map(cost, weighted)) < 0.95 * max(map(cost, plain))  # (here the token split is not balanced)

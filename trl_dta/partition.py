@@ -59,7 +59,26 @@ def _runs(starts_cost: np.ndarray, cum: np.ndarray, threshold: int, n: int) -> l
     return starts
 
 
-def lexicographic_partition(sequences: Sequence[Any] | PrefixTrie, num_parts: int) -> list[list[int]]:
+def _weighted(lengths: np.ndarray, lcp: np.ndarray, costs) -> tuple[np.ndarray, np.ndarray]:
+    """(cost of a run's first sequence, cost each next one adds) by the call costs ``costs`` (a
+    :class:`~trl_dta.walk.costs.CallCost`, fitted on the device: :mod:`trl_dta.walk.cost_model`), in integer
+    units: its new tokens, their attention pairs on its path (every earlier position) and one call's fixed
+    cost (a new trie node is about one call). A run's cost still only grows when it is extended, so the
+    search below is unchanged."""
+
+    def seconds(new_from: np.ndarray) -> np.ndarray:
+        tokens = lengths - new_from
+        pairs = (lengths * (lengths + 1) - new_from * (new_from + 1)) / 2
+        return np.where(tokens > 0, costs.fixed, 0.0) + costs.per_token * tokens + costs.per_pair * pairs
+
+    start, increments = seconds(np.zeros_like(lengths)), seconds(lcp)
+    unit = max(float(increments.sum()), 1e-30) / 2**40  # (integer units, far finer than any call)
+    return np.ceil(start / unit).astype(np.int64), np.ceil(increments / unit).astype(np.int64)
+
+
+def lexicographic_partition(
+    sequences: Sequence[Any] | PrefixTrie, num_parts: int, costs=None
+) -> list[list[int]]:
     """Indices of ``sequences`` for each of ``num_parts`` parts: contiguous runs of the lexicographic order
     whose largest unique-token cost is the smallest possible over all such splits.
 
@@ -69,6 +88,10 @@ def lexicographic_partition(sequences: Sequence[Any] | PrefixTrie, num_parts: in
     further while there are fewer runs than parts, so every part gets sequences when there are at least
     ``num_parts``; with fewer sequences than parts, each of the first ``len(sequences)`` parts gets one and
     the remaining parts are empty.
+
+    ``costs``: a :class:`~trl_dta.walk.costs.CallCost` (the fitted one of the device that walks the parts:
+    :meth:`TreeExecutor.fitted_costs`), to balance the parts' predicted walk time instead of their unique
+    tokens (:func:`_weighted`); every rank must pass the same one (one rank's, broadcast).
     """
     if num_parts < 1:
         raise ValueError(f"num_parts must be >= 1, got {num_parts}")
@@ -81,34 +104,36 @@ def lexicographic_partition(sequences: Sequence[Any] | PrefixTrie, num_parts: in
     n = len(order)
     if n == 0:
         return [[] for _ in range(num_parts)]
-    increments = lengths - lcp
+    increments, start = lengths - lcp, lengths
+    if costs is not None:
+        start, increments = _weighted(lengths, lcp, costs)
     cum = np.concatenate([[0], np.cumsum(increments)])  # cum[k] = sum of increments before k
     # a run pays at least its largest increment; one run pays all
     lo, hi = int(increments.max()), int(cum[-1])
     while lo < hi:
         mid = (lo + hi) // 2
-        runs = _runs(lengths, cum, mid, n)
+        runs = _runs(start, cum, mid, n)
         if runs is not None and len(runs) <= num_parts:
             hi = mid
         else:
             lo = mid + 1
     parts_wanted = min(num_parts, n)
-    starts = _fewest_duplicates(lengths, cum, increments, lo, parts_wanted)
+    starts = _fewest_duplicates(start, cum, lcp, lo, parts_wanted)
     bounds = list(zip(starts, [*starts[1:], n], strict=True))
     parts = [order[a:b] for a, b in bounds]
     return parts + [[] for _ in range(num_parts - len(parts))]
 
 
-def _fewest_duplicates(lengths, cum, increments, threshold: int, parts: int) -> list[int]:
+def _fewest_duplicates(start, cum, lcp, threshold: int, parts: int) -> list[int]:
     """Run starts of a split into exactly ``parts`` runs, each costing <= ``threshold``, that minimises the
     duplicated tokens (the sum of the LCPs at the cuts). ``f[k][b]``: least duplication splitting the first
     ``b`` sequences into ``k`` runs; the last run ``[a, b)`` is feasible for ``a`` in a window ``[lo_b, b)``
     (a run's cost shrinks as its start moves right), so each layer is one batch of range-minimum queries."""
-    n = len(lengths)
-    lcp = (lengths - increments).astype(np.float64)  # lcp[a]: tokens duplicated by a cut before sequence a
-    # cost(a, b) = lengths[a] - cum[a + 1] + cum[b] <= threshold  <=>  h[a] <= threshold - cum[b];
+    n = len(start)
+    lcp = lcp.astype(np.float64)  # lcp[a]: tokens duplicated by a cut before sequence a
+    # cost(a, b) = start[a] - cum[a + 1] + cum[b] <= threshold  <=>  h[a] <= threshold - cum[b];
     # h is non-increasing
-    h = lengths - cum[1:]
+    h = start - cum[1:]
     b = np.arange(1, n + 1)
     lo = np.searchsorted(-h, -(threshold - cum[b]), side="left")  # first a with h[a] <= threshold - cum[b]
     f = np.where(lo == 0, 0.0, np.inf)  # one run: [0, b) feasible iff lo_b == 0
@@ -167,9 +192,11 @@ class LexicographicPartitionSampler(Sampler[int]):
         sequences: the step's rollouts as token-id sequences, identical on every rank (gathered).
         num_replicas: number of ranks (default: the process group's world size, else 1).
         rank: this rank (default: the process group's rank, else 0).
+        costs: balance by these call costs (:func:`lexicographic_partition`), the same on every rank.
     """
 
-    def __init__(self, sequences: Sequence[Any], num_replicas: int | None = None, rank: int | None = None):
+    def __init__(self, sequences: Sequence[Any], num_replicas: int | None = None, rank: int | None = None,
+                 costs=None):  # fmt: skip
         if num_replicas is None or rank is None:
             import torch.distributed as dist
 
@@ -181,7 +208,7 @@ class LexicographicPartitionSampler(Sampler[int]):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is not in [0, {num_replicas})")
         self.num_replicas, self.rank = num_replicas, rank
-        self.indices = lexicographic_partition(sequences, num_replicas)[rank]
+        self.indices = lexicographic_partition(sequences, num_replicas, costs)[rank]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices)

@@ -43,9 +43,11 @@ def _rows(batch: dict, index: list[int], count: int) -> dict:
     return out
 
 
-def repartition(batch: dict, multiple: int = 1) -> tuple[dict, dict]:
+def repartition(batch: dict, multiple: int = 1, costs=None) -> tuple[dict, dict]:
     """This rank's run of the global batch's lexicographic order, padded with zero-weight rows to the same row
-    count on every rank (a multiple of ``multiple``). Returns the batch and a few numbers for logging."""
+    count on every rank (a multiple of ``multiple``). Returns the batch and a few numbers for logging.
+    ``costs``: rank 0's fitted call costs (:meth:`TreeExecutor.fitted_costs`; broadcast here, so that every
+    rank cuts the same runs) balance the runs' predicted walk time instead of their unique tokens."""
     unknown = set(batch) - SUPPORTED
     if unknown:
         raise ValueError(f"cannot re-partition rollouts with fields {sorted(unknown)} (multimodal inputs?).")
@@ -55,7 +57,9 @@ def repartition(batch: dict, multiple: int = 1) -> tuple[dict, dict]:
     gathered: list[dict | None] = [None] * world
     dist.all_gather_object(gathered, local)
     merged = concat_batches(gathered)
-    parts = lexicographic_partition(partition_sequences(merged), world)
+    shared = [costs]
+    dist.broadcast_object_list(shared, src=0)  # (each rank fits its own: one rank's decides)
+    parts = lexicographic_partition(partition_sequences(merged), world, shared[0])
     count = max(len(p) for p in parts)
     count = -(-count // multiple) * multiple
     mine = {k: v.to(device) for k, v in _rows(merged, parts[rank], count).items()}

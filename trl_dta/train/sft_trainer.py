@@ -18,7 +18,9 @@ accumulation, logging, evaluation, checkpointing, saving. What changes:
   overwrites them).
 * Metrics: ``entropy``, ``mean_token_accuracy`` (one more no-graph pass, ``tree_token_accuracy``),
   ``num_tokens``, ``aux_loss`` (MoE), as TRL computes them per micro-batch, and ``tree/*`` of each step.
-* Evaluation (no gradients) runs TRL's own dense ``compute_loss``.
+* Evaluation (no gradients) runs TRL's own dense ``compute_loss``; so does a training step that the fitted
+  cost model predicts faster dense (``tree_dense_fallback``, :mod:`trl_dta.train.dense_fallback`: TRL's
+  gradients either way).
 * Multi-process, as for ``TreePPOTrainer`` (the seam's, :mod:`trl_dta.train.multi_process`): DDP (the walk
   on the unwrapped module, the gradients averaged once per step), FSDP2 (each walk gathers once and
   reduce-scatters once), DeepSpeed ZeRO-2/3 (one reduction per step); TRL's per-rank batches are kept.
@@ -57,6 +59,7 @@ class _Step:
     num_items: object
     results: list | None = None
     served: int = 0
+    dense: bool | None = None  # takes TRL's dense path (tree_dense_fallback; None: not decided yet)
 
 
 @dataclass
@@ -148,6 +151,8 @@ class TreeSFTTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs or not (self.model.training and torch.is_grad_enabled()):  # evaluation: TRL's
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self._takes_dense_path(inputs, num_items_in_batch):  # (tree_dense_fallback: TRL's own loss)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         walked = self._walked_in_step(model, inputs, num_items_in_batch)
         self._log_metrics(inputs, walked)
         self._walker.micro_batch_done(model)  # (DDP: the step's gradients averaged once)
@@ -172,6 +177,29 @@ class TreeSFTTrainer(SFTTrainer):
             step.results = self._walk(model, batches, num_items_in_batch)
         step.served += 1
         return step.results[index]
+
+    def _takes_dense_path(self, inputs, num_items_in_batch) -> bool:
+        """Whether this micro-batch's step takes TRL's dense path (``tree_dense_fallback``), decided at its
+        first micro-batch for all of them by the step seam's prediction (:meth:`StepWalker.prefer_dense`). A
+        micro-batch that is not the step's next one is walked."""
+        step = self._tree_step
+        if (
+            step is None
+            or step.served >= len(step.batches)
+            or num_items_in_batch is not step.num_items
+            or not _same_batch(step.batches[step.served], inputs)
+        ):
+            return False
+        if step.dense is None:
+            samples = batch_samples(step.batches, whole=self.aux_loss_enabled)
+            step.dense = step.served == 0 and self._walker.prefer_dense(
+                self.model, [StepSequence(s.tokens, s.batch, s.score_from) for s in samples],
+                no_grad_passes=float(self._tree_accuracy), metrics=self._metrics["train"],
+                checkpointing=bool(self.args.gradient_checkpointing),
+            )  # fmt: skip
+        if step.dense:
+            step.served += 1
+        return step.dense
 
     def _scales(self, batches, num_items) -> tuple[list[float], int]:
         """Per micro-batch, the factor of a summed token loss in TRL's loss value; and what the Trainer

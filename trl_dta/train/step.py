@@ -44,52 +44,25 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import NamedTuple
 
 import torch
 
 from ..trie import PrefixTrie
 from ..walk.budgets import Budgets
+from ..walk.cost_model import CostModel
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
 from ..walk.preflight import preflight
+from .dense_fallback import Prediction, checked_mode, decide
 from .gradient_check import GradientCheck
 from .load_balancing import step_router_grad
 from .multi_process import StepFlow, check_distributed
 from .refusals import LengthBound, check_arguments, tokenizer_size
+from .step_results import SequenceResults, StepSequence
 from .tree_args import TreeArguments
 
 logger = logging.getLogger(__name__)
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
-
-
-class StepSequence(NamedTuple):
-    """One sequence of a step's walk."""
-
-    tokens: list[int]  # at least two
-    batch: int  # the micro-batch it came from (an index into the step's micro-batches)
-    score_from: int  # its first scored log-prob index (log-prob t scores token t + 1)
-
-
-class SequenceResults:
-    """Per sequence of a step (by index), what its last scoring computed: its log-probs and entropies from
-    ``score_from`` on, and its loss, all detached (None until scored). A pass walked again after running out
-    of memory scores every sequence again and overwrites them."""
-
-    def __init__(self, count: int):
-        self.logps: list[torch.Tensor | None] = [None] * count
-        self.entropies: list[torch.Tensor | None] = [None] * count
-        self.losses: list[torch.Tensor | None] = [None] * count
-
-    def record(self, index: int, logps, entropies, loss) -> None:
-        self.logps[index] = logps.detach()
-        self.entropies[index] = None if entropies is None else entropies.detach()
-        self.losses[index] = loss.detach() if isinstance(loss, torch.Tensor) else None
-
-    def total(self, indices: Sequence[int], absolute: bool = False) -> float:
-        """The sum of the losses of ``indices`` (or of their magnitudes), in float64."""
-        values = [self.losses[k].double() for k in indices if self.losses[k] is not None]
-        return float(sum(v.abs() if absolute else v for v in values))
 
 
 class StepWalker:
@@ -131,6 +104,10 @@ class StepWalker:
         }
         self.executors: dict[int, TreeExecutor] = {}
         self.trained: list = []  # the models trained in the same steps (train_together)
+        self.cost_fit, self.cost_cache = _option(args, "tree_cost_fit"), _option(args, "tree_cost_cache")
+        self.dense_fallback = checked_mode(_option(args, "tree_dense_fallback"), self.multi_process)
+        self.dense_margin = _option(args, "tree_dense_margin")
+        self.prediction: Prediction | None = None  # prefer_dense's last
 
     def executor(self, model) -> TreeExecutor:
         """The executor of ``model`` (the trainer's, wrapped or not; built, and probed, at the first call)."""
@@ -140,7 +117,10 @@ class StepWalker:
             budgets = Budgets(*self.budget_options, reserved_bytes=self.reserved_bytes, prefix="tree_")
             if any(m is module for m in self.trained):
                 budgets.train_with(*(m for m in self.trained if m is not module))
-            self.executors[id(module)] = TreeExecutor(module, budgets=budgets, **self.options)
+            costs = None if self.cost_fit == "off" else CostModel(self.cost_fit, self.cost_cache)
+            self.executors[id(module)] = TreeExecutor(
+                module, budgets=budgets, cost_model=costs, **self.options
+            )
         return self.executors[id(module)]
 
     def train_together(self, *models) -> None:
@@ -228,6 +208,18 @@ class StepWalker:
             check = lambda: GradientCheck(dense_loss, model, batches, self.check_tolerance)
             self.check_gradients = False  # (once)
         return StepWalk(self, model, sequences, training, metrics, check, prefix)
+
+    def prefer_dense(self, model, sequences: Sequence[StepSequence], *, no_grad_passes: float = 0.0,
+                     checkpointing: bool = False, metrics=None) -> bool:  # fmt: skip
+        """Whether the step of ``sequences`` should take TRL's dense path instead of the walk
+        (``tree_dense_fallback``: :func:`trl_dta.train.dense_fallback.decide`, which documents the arguments);
+        logs ``tree/path`` and the predicted seconds into ``metrics``; the prediction stays in
+        :attr:`prediction`."""
+        self.prediction, dense = decide(
+            self.executor(model), sequences, self.dense_fallback, self.dense_margin, self.multi_process,
+            no_grad_passes, checkpointing, metrics,
+        )  # fmt: skip
+        return dense
 
     def micro_batch_done(self, model) -> None:
         """Call at the end of each training micro-batch (``compute_loss``): under DDP, after the step's last
@@ -386,6 +378,9 @@ class StepWalk(AbstractContextManager):
         metrics[f"{p}oom_retries"].append(float(self.walker.take_oom_retries()))
         if self.peak_memory is not None:
             metrics[f"{p}peak_memory_gib"].append(self.peak_memory / 2**30)
+        if executor.cost_model is not None:  # the constants in use, the last measured gradient walk
+            for name, value in executor.cost_model.metrics().items():
+                metrics[p + name.removeprefix("tree/")].append(value)
 
 
 def _idle_trie() -> PrefixTrie:

@@ -10,6 +10,7 @@ paper, which both trainers name as their ``_paper`` (TRL's model cards cite it).
 from __future__ import annotations
 
 import math
+import os
 import textwrap
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ from ..walk.checks import check_count
 from ..walk.errors import ArgumentTypeError
 from ..walk.memory_budget import parse_memory_budget
 
+COST_FITS = ("auto", "reset", "frozen", "off")  # tree_cost_fit (trl_dta.walk.cost_model)
+DENSE_FALLBACKS = ("auto", "never", "always")  # tree_dense_fallback (trl_dta.train.dense_fallback)
 _TITLE = "AReaL-DTA: Dynamic Tree Attention for Efficient Reinforcement Learning of Large Language Models"
 PAPER = {
     "title": _TITLE,
@@ -36,7 +39,8 @@ PAPER = {
 
 @dataclass
 class TreeArguments:
-    """The walk's memory and token budgets, its out-of-memory retries, and its gradient check.
+    """The walk's memory and token budgets, its out-of-memory retries, its gradient check, its fitted call
+    costs and the dense fallback.
 
     Args:
         tree_memory_budget (`float`, `str` or `None`, defaults to `"auto"`):
@@ -86,6 +90,23 @@ class TreeArguments:
         tree_check_tolerance (`float`, defaults to 1e-3):
             Largest allowed per-tensor ``max|tree - dense| / max|dense|`` for `tree_check_gradients` (a finite
             number >= 0).
+        tree_cost_fit (`str`, defaults to `"auto"`):
+            The call-cost constants the plan merges calls by and the dense fallback compares with
+            (docs/cost-model.md). `"auto"`: the gradient walks time their calls, the constants are fitted to
+            them online and kept in the cache (`tree_cost_cache`) for this device and model, where the next
+            run starts; `"reset"`: as `"auto"`, the cached fit forgotten first; `"frozen"`: the cached fit
+            (or the shipped constants) pinned, nothing timed or written; `"off"`: the shipped constants.
+        tree_cost_cache (`str` or `None`, defaults to `None`):
+            Directory of the fitted constants. `None`: `$TRL_DTA_CACHE_DIR`, else `$XDG_CACHE_HOME/trl_dta`,
+            else `~/.cache/trl_dta`.
+        tree_dense_fallback (`str`, defaults to `"auto"`):
+            `"auto"`: before each step, predict the walk's time and TRL's dense path's for the same rows by
+            the fitted constants, and take TRL's own dense path where it is faster by `tree_dense_margin`
+            (once the constants are calibrated on this device); `"never"`: always walk; `"always"`: always
+            TRL's dense path (for comparison). The gradients are the same either way. One process only
+            (several: the walk, and `"always"` is refused). Wired into `TreeSFTTrainer`.
+        tree_dense_margin (`float`, defaults to 0.1):
+            The dense path is taken where its predicted time x (1 + margin) is below the walk's.
     """
 
     tree_memory_budget: float | str | None = field(
@@ -133,6 +154,33 @@ class TreeArguments:
         metadata={"help": "tree_check_gradients: largest max|tree - dense| / max|dense| of any tensor."},
     )
 
+    tree_cost_fit: str = field(
+        default="auto",
+        metadata={
+            "help": 'Call-cost constants: "auto" (fitted online on this device, cached), "reset" (the cache '
+            'forgotten first), "frozen" (the cached fit pinned, nothing timed) or "off" (shipped constants).'
+        },
+    )
+    tree_cost_cache: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory of the fitted call costs (unset: $TRL_DTA_CACHE_DIR or ~/.cache/trl_dta)."
+        },
+    )
+    tree_dense_fallback: str = field(
+        default="auto",
+        metadata={
+            "help": 'Take TRL\'s dense path where it is predicted faster: "auto" (per step, by the fitted '
+            'costs and tree_dense_margin), "never" or "always".'
+        },
+    )
+    tree_dense_margin: float = field(
+        default=0.1,
+        metadata={
+            "help": "tree_dense_fallback: dense is taken where its predicted time x (1 + margin) wins."
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
         self.tree_memory_budget = parse_memory_budget(self.tree_memory_budget, "tree_memory_budget")
@@ -150,6 +198,18 @@ class TreeArguments:
             raise ArgumentTypeError(f"tree_check_tolerance must be a number >= 0 (1e-3), got {tolerance!r}")
         if not 0 <= tolerance < math.inf:  # (NaN fails too)
             raise ValueError(f"tree_check_tolerance must be a finite number >= 0 (1e-3), got {tolerance}")
+        check_choice("tree_cost_fit", self.tree_cost_fit, COST_FITS)
+        check_choice("tree_dense_fallback", self.tree_dense_fallback, DENSE_FALLBACKS)
+        margin = self.tree_dense_margin
+        if isinstance(margin, bool) or not isinstance(margin, int | float) or not 0 <= margin < math.inf:
+            raise ValueError(f"tree_dense_margin must be a finite number >= 0 (0.1), got {margin!r}")
+        if self.tree_cost_cache is not None and not isinstance(self.tree_cost_cache, str | os.PathLike):
+            raise ArgumentTypeError(f"tree_cost_cache must be a directory path, got {self.tree_cost_cache!r}")
+
+
+def check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 def check_flag(name: str, value) -> None:

@@ -122,11 +122,16 @@ class CallCost:
         """The same costs, with ``fixed`` weighed by ``launch_price`` in merge decisions."""
         return replace(self, launch_price=launch_price)
 
+    def row_pairs(self, past: int, tokens: int, needed: int) -> int:
+        """The query-key pairs one packed call computes: ``tokens`` on a past of ``past`` tokens, the tree
+        needing ``needed`` of them (the fitted model, :mod:`trl_dta.walk.cost_fit`, counts the same)."""
+        pairs = needed + tokens * TILE if self.block_sparse else tokens * (past + tokens)
+        return min(pairs, tokens * (past + tokens))
+
     def row_compute(self, past: int, tokens: int, needed: int) -> float:
         """The device's seconds for one call forwarding ``tokens`` packed tokens on a past of ``past`` tokens,
         the tree needing ``needed`` of their query-key pairs."""
-        pairs = needed + tokens * TILE if self.block_sparse else tokens * (past + tokens)
-        return self.per_token * tokens + self.per_pair * min(pairs, tokens * (past + tokens))
+        return self.per_token * tokens + self.per_pair * self.row_pairs(past, tokens, needed)
 
     def padded_compute(self, past: int, rows: int, width: int) -> float:
         """The device's seconds for one call forwarding ``rows`` right-padded rows of ``width`` tokens."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -42,6 +43,7 @@ from ..trie import PrefixTrie
 from . import deepspeed as zero
 from .budgets import Budgets, TokenBudgets
 from .checks import check_count
+from .cost_model import CostModel
 from .costs import CallCost
 from .errors import ArgumentTypeError, UnsupportedModelError
 from .flops import flops as count_flops
@@ -115,6 +117,9 @@ class TreeExecutor:
             (:mod:`trl_dta.walk.recovery`, ``oom_recovery``). 0: an out-of-memory error is raised as it is.
         budgets: a :class:`~trl_dta.walk.budgets.Budgets` built by the caller (with ``reserved_bytes``, say),
             instead of ``block_size``, ``batch_tokens``, ``subtree_tokens`` and ``memory_budget``.
+        cost_model: a :class:`~trl_dta.walk.cost_model.CostModel` (or its mode, "auto", "reset", "frozen"):
+            the gradient walks time their calls and the plan is built with the constants fitted to them
+            (docs/cost-model.md). None: the device kind's shipped constants, nothing timed.
 
     :attr:`budgets` (the :class:`~trl_dta.walk.budgets.Budgets`) reports the budgets in use
     (``budgets.in_use``, ``budgets.metrics()``), :meth:`take_oom_retries` the walks retried after running out
@@ -136,6 +141,7 @@ class TreeExecutor:
         memory_budget: float | str | None = "auto",
         oom_retries: int = RETRIES,
         budgets: Budgets | None = None,
+        cost_model: CostModel | str | None = None,
     ):
         if budgets is None:
             budgets = Budgets(memory_budget, block_size, batch_tokens, subtree_tokens)
@@ -150,6 +156,7 @@ class TreeExecutor:
         self.calls = CallCounts()  # model calls of every walk so far (tree/calls, tree/tokens_per_call)
         # which calls to merge: the device kind's cost model unless set (:mod:`trl_dta.walk.costs`)
         self.call_cost: CallCost | None = None
+        self.cost_model = CostModel(cost_model) if isinstance(cost_model, str) else cost_model
         self.oom_recovery = OOMRecovery(oom_retries) if check_count("oom_retries", oom_retries) else None
         self.peak_memory: int | None = None  # bytes, the last walk's peak (:mod:`trl_dta.walk.peak`)
 
@@ -173,19 +180,29 @@ class TreeExecutor:
         trainers log as ``tree/oom_retries``."""
         return 0 if self.oom_recovery is None else self.oom_recovery.take_retries()
 
-    def plan(self, trie: PrefixTrie, entropy_grad: bool = True) -> list:
+    def plan(self, trie: PrefixTrie, entropy_grad: bool = True, record: bool = True) -> list:
         """The steps a walk of ``trie`` runs (:func:`trl_dta.walk.plan.build_plan`) with this executor's
-        budgets and the call cost model of its device and attention kernel; records the budgets as
-        ``budgets.in_use``."""
+        budgets and the call cost model of its device and attention kernel (fitted, with a
+        :attr:`cost_model`); records the budgets as ``budgets.in_use`` (unless not ``record``)."""
         budgets = self.token_budgets(trie, entropy_grad)
-        self.budgets.use(budgets, self.lm.name)
+        if record:
+            self.budgets.use(budgets, self.lm.name)
         subtree = budgets.subtree_tokens if self.pack_leaves else 0
         costs = self.call_cost
         if costs is None and self.budgets.memory is not None:  # (fixed budgets: each leaf batch filled)
-            costs = CallCost.for_model(self.lm.config, self.device.type, self.lm.block_sparse)
+            costs = self.fitted_costs() or CallCost.for_model(
+                self.lm.config, self.device.type, self.lm.block_sparse
+            )
         return build_plan(
             trie, budgets.block_size, budgets.batch_tokens, self.pack_leaves, subtree, costs=costs
         )
+
+    def fitted_costs(self) -> CallCost | None:
+        """The call costs fitted on this device (:attr:`cost_model`), once calibrated; else None."""
+        if self.cost_model is None:
+            return None
+        self.cost_model.start(self.lm, self.device)
+        return self.cost_model.costs() if self.cost_model.calibrated else None
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -337,6 +354,7 @@ class TreeExecutor:
             lm.check_model()
             seq_from, node_from = scored_from(trie, score_from)
             entropy_grad = grad and entropies and entropy_grad
+            started = time.perf_counter()
             plan = self.plan(trie, entropy_grad)
             path_kv = PathKV(capacity(plan, self.pack_leaves))
             walk = Walk(
@@ -344,10 +362,20 @@ class TreeExecutor:
                 node_from, router, scoring, self.calls, lockstep, entropy_grad=entropy_grad,
                 inputs=WalkInputs(trie, plan, self.device, self.pack_leaves), peak=peak,
             )  # fmt: skip
+            timing = None
+            if grad and self.cost_model is not None:  # (the gradient walks are timed: docs/cost-model.md)
+                self.cost_model.start(lm, self.device)
+                timing = self.cost_model.timing(plan, self.pack_leaves, node_from)
+            if timing is not None:
+                timing.begin(self.device, started)
             lockstep.start(len(plan), grad)
             for step in plan:
                 with lockstep.round():
                     run_step(lm, walk, step, self.pack_leaves)
                 peak.sample()
+                if timing is not None:
+                    timing.step(step)
             lockstep.finish()
+            if timing is not None:
+                timing.end()
         self.peak_memory = peak.peak

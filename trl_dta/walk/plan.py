@@ -313,22 +313,29 @@ def plan_seconds(steps: list[Step], costs: CallCost, packed: bool) -> float:
 
 
 def _tally(steps: list[Step], costs: CallCost, packed: bool) -> tuple[float, float]:
-    """The forward + backward calls of a walk of ``steps`` and their compute seconds: a push and its pop are
-    one call, a push recomputed at pop a third more (its extra forward), a leaves or subtree step one call."""
-    calls, compute = 0.0, 0.0
+    """The forward + backward calls of a walk of ``steps`` and their compute seconds."""
+    calls = tokens = pairs = 0.0
     for step in steps:
-        if isinstance(step, Push):
-            s = step.segment
-            share = 1.0 if step.keep_graph else 4 / 3
-            calls += share
-            compute += share * costs.row_compute(s.start, s.num_tokens, needed_pairs([s]))
-        elif isinstance(step, SiblingLeaves | PackedSubtree):
-            segments = step.segments
-            past = segments[0].start
-            if packed and (len(segments) > 1 or isinstance(step, PackedSubtree)):
-                tokens = sum(s.num_tokens for s in segments)
-                compute += costs.row_compute(past, tokens, needed_pairs(segments))
-            else:
-                compute += costs.padded_compute(past, len(segments), max(s.num_tokens for s in segments))
-            calls += 1
-    return calls, compute
+        c, t, p = step_terms(step, costs, packed)
+        calls, tokens, pairs = calls + c, tokens + t, pairs + p
+    return calls, costs.per_token * tokens + costs.per_pair * pairs
+
+
+def step_terms(step: Step, costs: CallCost, packed: bool) -> tuple[float, int | float, int | float]:
+    """What one step of a walk adds to its cost, as ``(calls, tokens, pairs)``: a push and its pop are one
+    forward + backward call (counted at the push; a push recomputed at pop a third more, its extra forward),
+    a leaves or subtree step one call; ``tokens`` forwarded and attention ``pairs`` computed as ``costs``
+    counts them (its attention kind: dense or block-sparse masks). A pop adds nothing."""
+    if isinstance(step, Push):
+        s = step.segment
+        share = 1.0 if step.keep_graph else 4 / 3
+        return share, share * s.num_tokens, share * costs.row_pairs(s.start, s.num_tokens, needed_pairs([s]))
+    if isinstance(step, SiblingLeaves | PackedSubtree):
+        segments = step.segments
+        past = segments[0].start
+        if packed and (len(segments) > 1 or isinstance(step, PackedSubtree)):
+            tokens = sum(s.num_tokens for s in segments)
+            return 1.0, tokens, costs.row_pairs(past, tokens, needed_pairs(segments))
+        rows, width = len(segments), max(s.num_tokens for s in segments)
+        return 1.0, rows * width, rows * width * (past + width)
+    return 0.0, 0, 0

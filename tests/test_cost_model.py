@@ -1,0 +1,235 @@
+"""The cost model fitted online (trl_dta/walk/cost_fit.py, cost_model.py, cost_cache.py): a simulated clock of
+known constants, summed (a CPU) or the larger of launches and compute (a GPU), recovered within 5% with the
+same plans as the true constants'; wrong priors converge; fits persist per device and model; the dense
+fallback's decision (trl_dta/train/dense_fallback.py, StepWalker.prefer_dense). Every second is simulated
+but in one test, which times a tiny model's walks on this CPU.
+
+The plan's constants (per call, token, attention pair) are held to 5%; the LM head's per scored position, a
+term the plan never decides by, to 25% with a noisy clock: the scored positions of a walk grow with its
+tokens, so a 2% noise moves the split between the two more than it moves either plan constant."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate import Accelerator
+
+from trl_dta import PrefixTrie
+from trl_dta.testing.grpo import tiny_model
+from trl_dta.train.dense_fallback import dense_terms
+from trl_dta.train.step import StepSequence, StepWalker
+from trl_dta.walk.cost_cache import CostCache
+from trl_dta.walk.cost_fit import Constants, Observation, fit_constants
+from trl_dta.walk.cost_model import MIN_OBSERVATIONS, CostModel, call_terms, plan_terms
+from trl_dta.walk.costs import CallCost
+from trl_dta.walk.plan import build_plan, plan_seconds
+
+# seconds per call, token, pair, scored position: a GPU-like Qwen3-1.7B (DEVICE_COSTS["cuda"]: 28 layers of
+# 182 launches at 5 us; 40% of an H200) and a CPU-like small model
+GPU = Constants(fixed=2.5e-2, per_token=2.6e-5, per_pair=1.7e-9, per_scored=4.6e-6)
+CPU = Constants(fixed=2e-3, per_token=4e-5, per_pair=6e-9, per_scored=2e-6)
+
+
+def _trie(rng: random.Random, scale: int) -> tuple[PrefixTrie, list[int]]:
+    """A step's rollouts: a shared prompt, groups of completions, some sharing a turn."""
+    sequences, score_from = [], []
+    for _ in range(rng.randint(1, 4)):
+        prompt = [rng.randrange(1, 500) for _ in range(rng.randint(4, 60) * scale)]
+        for _ in range(rng.randint(2, 8)):
+            turn = [rng.randrange(1, 500) for _ in range(rng.randint(1, 30) * scale)]
+            for _ in range(rng.randint(1, 3)):
+                sequences.append(
+                    prompt + turn + [rng.randrange(1, 500) for _ in range(rng.randint(1, 80) * scale)]
+                )
+                score_from.append(rng.randint(0, len(sequences[-1]) - 1))  # (scored positions vary apart)
+    return PrefixTrie.from_sequences(sequences), score_from
+
+
+def _plan(trie, costs: CallCost, batch: int = 4096):
+    return build_plan(trie, 1 << 16, batch, packed=True, subtree_tokens=batch, costs=costs)
+
+
+def _node_from(trie, score_from):
+    from trl_dta.walk.scoring import scored_from
+
+    return scored_from(trie, score_from)[1]
+
+
+def _costs(constants: Constants, overlap: bool) -> CallCost:
+    return CallCost(constants.fixed, constants.per_token, constants.per_pair, overlap=overlap)
+
+
+def _simulated(
+    true: Constants, overlap: bool, walks: int, seed: int = 0, noise: float = 0.01, first: int = 0
+):
+    """Observations of ``walks`` walks of random tries timed by a clock of ``true`` constants: per call where
+    costs sum (a CPU times each call), per walk where they overlap (a GPU times the walk)."""
+    rng = random.Random(seed)
+    costs, out = _costs(true, overlap), []
+    for k in range(first, first + walks):
+        trie, score_from = _trie(rng, scale=1 + 3 * (k % 4))  # (GPU: some compute-bound)
+        node_from = _node_from(trie, score_from)
+        plan = _plan(trie, costs, batch=rng.choice([64, 512, 4096]))
+        calls = [call_terms(s, costs, True, node_from) for s in plan] if not overlap else []
+        for terms in calls or [plan_terms(plan, costs, True, node_from)]:
+            if terms[0]:
+                out.append(
+                    Observation(*terms, true.seconds(terms, overlap) * (1 + rng.uniform(-noise, noise)))
+                )
+    return out
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.02])
+@pytest.mark.parametrize("overlap", [False, True], ids=["cpu-like sum", "gpu-like max"])
+def test_a_simulated_clock_is_recovered_within_5_percent_with_the_true_plans(overlap, noise):
+    """Exact times give the true constants, so the same plans; times 2% off give constants within 5%, whose
+    plans walk within 1% of the true plans' time (by the true constants: a merge decision within the noise
+    may go either way)."""
+    true = GPU if overlap else CPU
+    observations = _simulated(true, overlap, walks=60 if overlap else 12, noise=noise)
+    fitted = Constants(*(2 * c for c in true))  # (a prior off by 2x)
+    for _ in range(4):  # (online, each fit is the next one's prior)
+        fitted, residual = fit_constants(observations, fitted, overlap, scale=true)
+    for name, got, want in zip(Constants._fields, fitted, true, strict=True):
+        close = 1e-3 if not noise else 0.05 if name != "per_scored" else 0.25  # (the LM head's: module doc)
+        assert abs(got / want - 1) < close, (name, got, want)
+    assert residual <= noise + 1e-4
+    rng, truth = random.Random(7), _costs(true, overlap)
+    for k in range(6):
+        trie, _ = _trie(rng, scale=1 + 2 * k)
+        plan, best = _plan(trie, _costs(fitted, overlap)), _plan(trie, truth)
+        if not noise:
+            assert plan == best
+        assert plan_seconds(plan, truth, True) <= 1.01 * plan_seconds(best, truth, True)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["cpu-like sum", "gpu-like max"])
+@pytest.mark.parametrize("wrong", [0.1, 10.0, "mixed"])
+def test_the_online_fit_converges_from_wrong_priors(tmp_path, overlap, wrong):
+    """CostModel as a walk drives it: each timed walk's observations added, the plan's constants adopted."""
+    true = GPU if overlap else CPU
+    factors = (10.0, 0.1, 3.0, 1.0) if wrong == "mixed" else (wrong,) * 4
+    prior = Constants(*(c * f for c, f in zip(true, factors, strict=True)))
+    model = CostModel("auto", cache_dir=tmp_path)
+    model.initialise(_costs(prior, overlap), prior, "simulated")
+    rng = random.Random(3)
+    per_walk = 1 if overlap else None
+    for k in range(80 if overlap else 10):
+        observations = _simulated(true, overlap, walks=1, seed=rng.randrange(1 << 30), first=k)
+        model.add(
+            observations[:per_walk] if overlap else observations, walk_s=sum(o.seconds for o in observations)
+        )
+    assert model.calibrated
+    for name, got, want in zip(Constants._fields, model.fitted, true, strict=True):
+        assert abs(got / want - 1) < (0.05 if name != "per_scored" else 0.25), (name, got, want)
+    trie, score_from = _trie(random.Random(11), scale=3)
+    plan = model.costs()
+    terms = plan_terms(_plan(trie, plan), plan, True, _node_from(trie, score_from))
+    assert abs(model.seconds(terms) / true.seconds(terms, overlap) - 1) < 0.05
+
+
+def test_fits_persist_per_device_and_model_and_reset_and_frozen_modes(tmp_path):
+    fit = Constants(1e-3, 2e-6, 3e-9, 4e-7)
+    cache = CostCache(tmp_path)
+    assert cache.load("a | m") is None
+    cache.save("a | m", fit, 40)
+    cache.save("b | m", fit._replace(fixed=9.0), 12)
+    assert cache.load("a | m") == (fit, 40) and cache.load("b | m")[0].fixed == 9.0
+    shipped = Constants(5e-3, 1e-6, 1e-9, 1e-7)
+    template = _costs(shipped, False)
+    auto = CostModel("auto", cache_dir=tmp_path)
+    auto.initialise(template, shipped, "a | m")
+    assert auto.calibrated and auto.active == fit and auto.costs().fixed == fit.fixed
+    frozen = CostModel("frozen", cache_dir=tmp_path)
+    frozen.initialise(template, shipped, "a | m")
+    assert frozen.active == fit and frozen.timing([], True) is None  # (pinned: nothing timed)
+    reset = CostModel("reset", cache_dir=tmp_path)
+    reset.initialise(template, shipped, "a | m")
+    assert reset.active == shipped and not reset.calibrated
+    assert cache.load("a | m") is None and cache.load("b | m") is not None  # (only its own key forgotten)
+    (tmp_path / "call_costs.json").write_text("{not json")
+    assert CostCache(tmp_path).load("b | m") is None  # (a broken file: the shipped constants, no error)
+
+
+def test_a_walk_on_this_cpu_is_timed_fitted_and_kept(tmp_path):
+    """The executor's own timing: per call on the host clock; the fit is written under the model's key."""
+    from trl_dta import TreeExecutor
+
+    model = tiny_model().train()
+    executor = TreeExecutor(model, memory_budget=None, cost_model=CostModel("auto", cache_dir=tmp_path))
+    rng = random.Random(0)
+    for _ in range(4):
+        trie, _ = _trie(rng, scale=1)
+        executor.backward(trie, lambda i, lp, e: -lp.sum())
+    cost_model = executor.cost_model
+    assert cost_model.observed >= MIN_OBSERVATIONS and cost_model.calibrated
+    assert cost_model.last_walk_s > 0 and "tree/cost_fixed_s" in cost_model.metrics()
+    assert CostCache(tmp_path).load(cost_model.key) is not None
+    assert "cpu" in cost_model.key and "qwen3" in cost_model.key
+
+
+# ---------------------------------------------------------------------- the dense fallback
+def _walker(mode: str, model, tmp_path, **more):
+    args = SimpleNamespace(tree_dense_fallback=mode, tree_cost_cache=str(tmp_path), **more)
+    return StepWalker(args, Accelerator(cpu=True), model)
+
+
+def _calibrate(walker, model, constants: Constants):
+    cost_model = walker.executor(model).cost_model
+    walker.executor(model).fitted_costs()  # (its key, from the model)
+    cost_model.active, cost_model.observed = constants, MIN_OBSERVATIONS
+
+
+def _unshared(n: int = 16) -> list[StepSequence]:
+    """Unique prompts, rollouts differing from their first token: nothing to share. Walked, they are one
+    packed row whose dense mask computes every pair of it; dense, ``n`` padded rows compute ``n`` squares."""
+    return [StepSequence([k + 1] + [7] * 127, batch=0, score_from=0) for k in range(n)]
+
+
+def _shared(n: int = 16) -> list[StepSequence]:
+    prompt = list(range(1, 200))
+    return [StepSequence(prompt + [300 + k] * 12, batch=k // 8, score_from=198) for k in range(n)]
+
+
+def test_the_dense_fallback_decides_by_the_fitted_costs(tmp_path):
+    model = tiny_model().train()
+    metrics = defaultdict(list)
+    assert not _walker("never", model, tmp_path).prefer_dense(model, _unshared(), metrics=metrics)
+    assert _walker("always", model, tmp_path).prefer_dense(model, _unshared(), metrics=metrics)
+    auto = _walker("auto", model, tmp_path)
+    assert not auto.prefer_dense(model, _unshared(), metrics=metrics)  # (uncalibrated: the walk, timed)
+    _calibrate(auto, model, CPU)
+    assert auto.prefer_dense(model, _unshared(), metrics=metrics)  # the same call, 16x the attention pairs
+    assert not auto.prefer_dense(model, _shared(), metrics=metrics)  # the prompt walked once, not 16 times
+    prediction = auto.prediction
+    assert prediction.dense_s > prediction.walk_s * 1.1 and not prediction.dense
+    assert metrics["tree/path"] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert len(metrics["tree/predicted_s"]) == 5 and len(metrics["tree/predicted_dense_s"]) == 5
+    # the margin: dense must win by it; a margin wider than the gap keeps the walk
+    wide = _walker("auto", model, tmp_path, tree_dense_margin=100.0)
+    _calibrate(wide, model, CPU)
+    assert not wide.prefer_dense(model, _unshared())
+
+
+def test_dense_terms_are_one_padded_call_per_micro_batch():
+    seqs = [StepSequence([1] * 10, 0, 4), StepSequence([2] * 6, 0, 0), StepSequence([3] * 8, 1, 2)]
+    assert dense_terms(seqs) == (2, 2 * 10 + 8, 2 * 100 + 64, 6 + 6 + 6)
+    calls, tokens, pairs, _ = dense_terms(seqs, checkpointing=True)
+    assert calls == pytest.approx(8 / 3) and tokens == pytest.approx(28 * 4 / 3)
+
+
+def test_the_dense_fallback_is_refused_where_every_rank_would_have_to_agree(tmp_path):
+    model = tiny_model().train()
+    walker = _walker("auto", model, tmp_path)
+    _calibrate(walker, model, CPU)
+    walker.multi_process = True  # (as on several processes: never dense)
+    assert not walker.prefer_dense(model, _unshared())
+    with pytest.raises(ValueError, match="tree_dense_fallback"):
+        from trl_dta import TreeSFTConfig
+
+        TreeSFTConfig("out", tree_dense_fallback="sometimes", bf16=False)
+    assert torch.is_grad_enabled()

@@ -1,0 +1,103 @@
+"""``tree_dense_fallback``: a step whose rollouts share too little to pay for the tree takes TRL's dense path.
+
+Before a step, the fitted cost model (:mod:`trl_dta.walk.cost_model`) predicts two times for the same rows:
+
+* the walk's: its plan for the step's trie, by the constants in use (:meth:`CostModel.predict`), plus a
+  third of it per no-gradient pass the trainer walks before (a forward costs about a third of a forward +
+  backward);
+* TRL's dense path's: one forward + backward call per micro-batch, its rows right-padded to the longest
+  (``rows x width`` tokens, ``rows x width^2`` attention pairs: a dense causal kernel's rectangle, as the
+  cost model counts a dense mask), the LM head on the scored positions; a third more compute with gradient
+  checkpointing (its recomputed forward). Summed, or the larger of launches and compute where they overlap.
+
+The step goes dense where ``dense x (1 + margin) < walk``. The dense side is priced with the walk's own
+constants, whose fixed cost per call also holds the walk's bookkeeping (its K/V buffers, its loss per
+sequence): a dense call costs at most that, so the comparison leans toward the walk, and the margin leans
+further. Gradients are the same either way (TRL's own loss and backward), so exactness does not depend on
+the choice. Modes: "auto" (decide per step, once the constants are calibrated on this device: until then
+the walk runs, and is timed), "never" (always walk), "always" (always dense).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ..trie import PrefixTrie
+from ..walk.cost_model import CostModel, plan_terms
+from ..walk.scoring import scored_from
+
+MODES = ("auto", "never", "always")
+NO_GRAD_SHARE = 1 / 3  # a forward's share of a forward + backward call
+RECOMPUTE = 4 / 3  # gradient checkpointing: each call forwards twice
+
+
+class Prediction(NamedTuple):
+    """A step's predicted seconds: its gradient walk, every pass of the walk, TRL's dense path; the choice."""
+
+    walk_s: float
+    step_s: float
+    dense_s: float
+    dense: bool
+
+
+def checked_mode(mode: str, multi_process: bool) -> str:
+    """``tree_dense_fallback`` as the step seam takes it: "always" is refused on several processes."""
+    if mode == "always" and multi_process:
+        raise ValueError('tree_dense_fallback="always" runs on a single process only.')
+    return mode
+
+
+def dense_terms(sequences: Sequence, checkpointing: bool = False) -> tuple[float, float, float, float]:
+    """``(calls, tokens, pairs, scored)`` of TRL's dense path over ``sequences`` (each with ``tokens``,
+    ``batch`` and ``score_from``): one call per micro-batch of right-padded rows."""
+    batches: dict[int, list] = {}
+    for s in sequences:
+        batches.setdefault(s.batch, []).append(s)
+    share = RECOMPUTE if checkpointing else 1.0
+    calls = tokens = pairs = scored = 0.0
+    for rows in batches.values():
+        width = max(len(s.tokens) for s in rows)
+        calls += share
+        tokens += share * len(rows) * width
+        pairs += share * len(rows) * width * width
+        scored += sum(len(s.tokens) - s.score_from for s in rows)
+    return calls, tokens, pairs, scored
+
+
+def predict(executor, trie, sequences: Sequence, no_grad_passes: float = 0.0, checkpointing: bool = False,
+            margin: float = 0.1) -> Prediction:  # fmt: skip
+    """The walk's and the dense path's predicted seconds for a step (module docstring), by ``executor``'s
+    cost model (a :class:`~trl_dta.walk.executor.TreeExecutor` with one)."""
+    model: CostModel = executor.cost_model
+    executor.fitted_costs()  # (the model's prior and cached fit, at the first use)
+    plan = executor.plan(trie, record=False)
+    _, node_from = scored_from(trie, [s.score_from for s in sequences])
+    walk = model.seconds(plan_terms(plan, model.template, executor.pack_leaves, node_from)) + model.overhead_s
+    step = walk * (1 + NO_GRAD_SHARE * no_grad_passes)
+    dense = model.seconds(dense_terms(sequences, checkpointing))
+    return Prediction(walk, step, dense, dense * (1 + margin) < step)
+
+
+def decide(
+    executor, sequences: Sequence, mode: str, margin: float, multi_process: bool,
+    no_grad_passes: float = 0.0, checkpointing: bool = False, metrics=None,
+) -> tuple[Prediction | None, bool]:  # fmt: skip
+    """The prediction for a step of ``sequences`` (None without a cost model or sequences) and whether it
+    takes the dense path: ``mode`` "always" and "never" say so; "auto" says dense where the prediction
+    does, once ``executor``'s constants are calibrated on this device, on one process only (every rank
+    would have to take the same path). ``no_grad_passes``: walks the trainer makes before the gradient walk
+    (an accuracy pass); ``checkpointing``: the dense path recomputes its forward. Logs ``tree/path`` (1:
+    dense, 0: the walk), ``tree/predicted_s`` and ``tree/predicted_dense_s`` into ``metrics``."""
+    prediction, dense = None, mode == "always"
+    if sequences and executor.cost_model is not None:
+        trie = PrefixTrie.from_sequences([s.tokens for s in sequences])
+        prediction = predict(executor, trie, sequences, no_grad_passes, checkpointing, margin)
+        auto = mode == "auto" and not multi_process and executor.cost_model.calibrated
+        dense = dense or (auto and prediction.dense)
+    if metrics is not None:
+        metrics["tree/path"].append(float(dense))
+        if prediction is not None:
+            metrics["tree/predicted_s"].append(prediction.walk_s)
+            metrics["tree/predicted_dense_s"].append(prediction.dense_s)
+    return prediction, dense
