@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from ..walk.checks import SUPPORTED_ATTENTION
-from .tree_args import TreeArguments
+from .tree_args import TreeArguments, check_flag
 
 
 @dataclass
@@ -34,6 +34,20 @@ class AsyncTreePPOConfig(TreeArguments, AsyncGRPOConfig):
             Zero every dropout probability of the policy (TRL's async trainer keeps the model's): a shared
             prefix shares one dropout mask, so the walk equals the dense loss only without randomness. With
             `False`, a model that still has randomness in train mode is refused when the trainer is built.
+        use_decoupled_loss (`bool`, defaults to `False`):
+            AReaL's decoupled PPO objective for stale samples (docs/async.md, "The objective"): the ratio is
+            clipped against the *proximal* policy (the trainer's weights when the step starts) and each
+            token is weighted by the importance weight π_prox / π_behav (capped), instead of TRL's coupled
+            ratio against the behaviour policy, which clips the tokens of stale samples out of the gradient.
+            `False` keeps TRL's objective, so that this trainer stays a drop-in for `AsyncGRPOTrainer`; turn
+            it on when samples train more than one policy version after they were generated.
+        behav_imp_weight_cap (`float` or `None`, defaults to `5.0`):
+            With `use_decoupled_loss`: the largest importance weight π_prox / π_behav a token keeps (AReaL's
+            name; > 1). `None`: not capped.
+        behav_imp_weight_mode (`str`, defaults to `"mask"`):
+            What happens to a token whose weight exceeds the cap: `"mask"` leaves it out of the loss (AReaL's
+            filter), `"truncate"` keeps it with the weight clamped to the cap (truncated importance
+            sampling).
 
     Fields of ``AsyncGRPOConfig`` that behave differently:
 
@@ -63,6 +77,27 @@ class AsyncTreePPOConfig(TreeArguments, AsyncGRPOConfig):
         default=False,
         metadata={"help": "Not needed by the tree walk; if on, it is suspended during the walk."},
     )
+    use_decoupled_loss: bool = field(
+        default=False,
+        metadata={
+            "help": "AReaL's decoupled PPO: clip against the proximal policy (the weights at the step's "
+            "start), weight each token by the capped pi_prox / pi_behav (False: TRL's coupled loss)."
+        },
+    )
+    behav_imp_weight_cap: float | None = field(
+        default=5.0,
+        metadata={
+            "help": "use_decoupled_loss: the largest weight pi_prox/pi_behav a token keeps (> 1; None: any)."
+        },
+    )
+    behav_imp_weight_mode: str = field(
+        default="mask",
+        metadata={
+            "help": "use_decoupled_loss: a token over the cap is left out ('mask', AReaL's) or clamped to "
+            "the cap ('truncate').",
+            "choices": ["mask", "truncate"],
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()  # (TreeArguments checks the shared options)
@@ -72,7 +107,15 @@ class AsyncTreePPOConfig(TreeArguments, AsyncGRPOConfig):
 def check_async_arguments(args) -> None:
     """What :class:`~trl_dta.AsyncTreePPOTrainer` refuses in a config (an ``AsyncTreePPOConfig`` at its
     construction, a plain ``AsyncGRPOConfig`` at the trainer's): an attention the walk does not support,
-    ``attn_implementation`` in ``model_init_kwargs``, a positive ``token_budget``."""
+    ``attn_implementation`` in ``model_init_kwargs``, a positive ``token_budget``, a decoupled loss's cap of
+    1 or less or an unknown cap mode."""
+    check_flag("use_decoupled_loss", getattr(args, "use_decoupled_loss", False))
+    cap = getattr(args, "behav_imp_weight_cap", None)
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 1):
+        raise ValueError(f"behav_imp_weight_cap must be a number > 1 or None, got {cap!r}")
+    mode = getattr(args, "behav_imp_weight_mode", "mask")
+    if mode not in ("mask", "truncate"):
+        raise ValueError(f"behav_imp_weight_mode must be 'mask' or 'truncate', got {mode!r}")
     attention = getattr(args, "tree_attn_implementation", "sdpa")
     if attention not in SUPPORTED_ATTENTION:
         raise ValueError(

@@ -13,6 +13,20 @@ The sum splits by sample, so each sample's share is its own terms with its micro
 log-probs and hence its own importance weight, whichever policy version produced it and whatever prefix it
 shares with samples of other versions in the step's trie.
 
+**The decoupled objective** (``use_decoupled_loss``, AReaL's, for stale samples): the ratio is taken against
+the *proximal* policy, the trainer's weights when the step starts, and each token is weighted by the
+importance weight ``w = π_prox / π_behav``, capped (:class:`Decoupled`)::
+
+    ratio = exp(logp - prox);  term = -min(ratio * A, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) * w
+
+This trainer updates the policy once per walked step (TRL's asynchronous trainer has no
+``num_iterations``), so the proximal policy *is* the policy of the step's walk: the proximal log-probs are the
+gradient walk's own log-probs, detached, with no second pass (AReaL recomputes them because it updates
+several times per batch). The ratio is then 1 in value and the gradient of a token is ``-A · w · ∇logp``:
+the stale token keeps its gradient, weighted, where the coupled objective clips it away.
+:func:`dense_loss` computes the proximal log-probs by a separate no-gradient forward, so the tests check
+that claim.
+
 :func:`micro_batch_samples` reads a collated micro-batch (:mod:`trl_dta.train.ppo_async_data`) into
 :class:`AsyncSample` records; :func:`dense_loss` is the same loss by a plain forward of each sample (the
 reference the tests and ``tree_check_gradients`` compare the walk against); :func:`surrogate_sums` the sums
@@ -69,6 +83,24 @@ def micro_batch_samples(inputs: dict, batch: int = 0) -> list[AsyncSample]:
     return samples
 
 
+class Decoupled(NamedTuple):
+    """The decoupled objective's importance weight: its ``cap`` (None: none) and ``mode``, ``"mask"`` (a token
+    over the cap leaves the loss, AReaL's filter) or ``"truncate"`` (its weight is clamped to the cap)."""
+
+    cap: float | None = 5.0
+    mode: str = "mask"
+
+    def weights(self, proximal: torch.Tensor, behaviour: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per token, the capped weight ``exp(proximal - behaviour)`` and whether it was over the cap."""
+        weight = torch.exp(proximal - behaviour)
+        if self.cap is None:
+            return weight, torch.zeros_like(weight, dtype=torch.bool)
+        over = weight > self.cap
+        if self.mode == "mask":
+            return torch.where(over, 0.0, weight), over
+        return weight.clamp(max=self.cap), over
+
+
 class ClippedSurrogate:
     """The walk's per-sequence loss (``(k, logps, entropies) -> scalar``, only computing): sample ``k``'s
     share of TRL's loss, ``logps`` being its log-probs from ``score_from`` on.
@@ -78,38 +110,56 @@ class ClippedSurrogate:
         normalisers: per micro-batch of the step, :func:`tokens_per_rank`.
         epsilon_low, epsilon_high: the clipping range ``[1 - epsilon_low, 1 + epsilon_high]``.
         accumulation: the gradient accumulation steps the loss is divided by (1 in evaluation).
+        decoupled: the decoupled objective's weight settings (None: TRL's coupled objective).
+        proximal: with ``decoupled``, per sample the proximal log-probs of its trained tokens; None: the
+            walk's own, detached (exact here: module docstring).
     """
 
     def __init__(self, samples: Sequence[AsyncSample], normalisers: Sequence[float], epsilon_low: float,
-                 epsilon_high: float, accumulation: int):  # fmt: skip
+                 epsilon_high: float, accumulation: int, decoupled: Decoupled | None = None,
+                 proximal: Sequence[torch.Tensor] | None = None):  # fmt: skip
         self.samples, self.normalisers = samples, normalisers
         self.epsilon_low, self.epsilon_high, self.accumulation = epsilon_low, epsilon_high, accumulation
+        self.decoupled, self.proximal = decoupled, proximal
 
     def __call__(self, k: int, logps: torch.Tensor, entropies: torch.Tensor | None = None) -> torch.Tensor:
         s = self.samples[k]
         lp = logps[s.positions.to(logps.device)]
         old = s.old_logps.to(device=lp.device, dtype=lp.dtype)
+        weight = 1.0
+        if self.decoupled is not None:  # the ratio against the proximal policy, the capped weight
+            old = lp.detach() if self.proximal is None else self.proximal[k].to(lp)
+            weight, _ = self.decoupled.weights(old, s.old_logps.to(lp))
         ratio = torch.exp(lp - old)
         clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
-        per_token = -torch.min(ratio * s.advantage, clipped * s.advantage)
+        per_token = -torch.min(ratio * s.advantage, clipped * s.advantage) * weight
         return per_token.sum() / self.normalisers[s.batch] / self.accumulation
 
 
 def dense_loss(model, inputs: dict, epsilon_low: float, epsilon_high: float, temperature: float = 1.0,
-               accumulation: int = 1, world_size: int = 1) -> torch.Tensor:  # fmt: skip
+               accumulation: int = 1, world_size: int = 1,
+               decoupled: Decoupled | None = None) -> torch.Tensor:  # fmt: skip
     """TRL's asynchronous GRPO loss of one collated micro-batch by a plain forward of each sample (full
-    logits, ``log_softmax`` at ``temperature``): the dense reference of the walk, with its graph."""
+    logits, ``log_softmax`` at ``temperature``): the dense reference of the walk, with its graph. With
+    ``decoupled``, the decoupled objective, its proximal log-probs from a separate no-gradient forward of
+    ``model`` as it is now."""
     samples = micro_batch_samples(inputs)
-    loss_fn = ClippedSurrogate(
-        samples, [tokens_per_rank(inputs, world_size)], epsilon_low, epsilon_high, accumulation
-    )
     device = next(model.parameters()).device
-    total = None
-    for k, s in enumerate(samples):
+
+    def logps_of(s):
         ids = torch.tensor([s.tokens], device=device)
         logits = model(input_ids=ids).logits[0, :-1] / temperature
-        logps = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
-        loss = loss_fn(k, logps[s.score_from :])
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[s.score_from :, 0]
+
+    proximal = None
+    if decoupled is not None:
+        with torch.no_grad():
+            proximal = [logps_of(s)[s.positions.to(device)] for s in samples]
+    loss_fn = ClippedSurrogate(samples, [tokens_per_rank(inputs, world_size)], epsilon_low, epsilon_high,
+                               accumulation, decoupled, proximal)  # fmt: skip
+    total = None
+    for k, s in enumerate(samples):
+        loss = loss_fn(k, logps_of(s))
         total = loss if total is None else total + loss
     if total is None:  # (no trained token: a zero that still depends on the model)
         total = sum(p.sum() * 0.0 for p in model.parameters() if p.requires_grad)
@@ -128,3 +178,12 @@ def surrogate_sums(logps: torch.Tensor, old: torch.Tensor, advantage: float, ent
     count = torch.tensor(float(logps.numel()), dtype=torch.float64, device=logps.device)
     clipped = [mask.double().sum() for mask in (low, high, low | high)]
     return torch.stack([ratio.sum(), ((ratio - 1) - log_ratio).sum(), entropies.sum(), *clipped, count])
+
+
+def importance_sums(logps: torch.Tensor, behaviour: torch.Tensor, decoupled: Decoupled) -> torch.Tensor:
+    """One sample's decoupled-objective metrics over its trained tokens (``logps``: the proximal log-probs):
+    ``[weight sum, tokens over the cap, largest weight]`` (float64; weights before capping)."""
+    weight = torch.exp(logps.double() - behaviour.to(logps.device).double())
+    _, over = decoupled.weights(logps.double(), behaviour.to(logps.device).double())
+    largest = weight.max() if weight.numel() else weight.new_zeros(())
+    return torch.stack([weight.sum(), over.double().sum(), largest])

@@ -51,7 +51,9 @@ from .ppo_async_config import AsyncTreePPOConfig, check_async_arguments
 from .ppo_async_data import SampleBatcher, SampleCollator
 from .ppo_async_loss import (
     ClippedSurrogate,
+    Decoupled,
     dense_loss,
+    importance_sums,
     micro_batch_samples,
     surrogate_sums,
     tokens_per_rank,
@@ -123,6 +125,10 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
             self.model, tokenizer=self.processing_class, length=rollout_length(self.args),
             disable_dropout=getattr(self.args, "disable_dropout", True),
         )  # fmt: skip
+        a = self.args
+        self._decoupled = None  # AReaL's decoupled objective (use_decoupled_loss), else TRL's coupled one
+        if getattr(a, "use_decoupled_loss", False):
+            self._decoupled = Decoupled(a.behav_imp_weight_cap, a.behav_imp_weight_mode)
         self._step_batches: list[dict] = []  # the current optimizer step's micro-batches (get_batch_samples)
         self._tree_position = 0  # micro-batches of the current step served so far
         self._tree_pending: dict[int, MicroBatchWalk] = {}
@@ -185,7 +191,7 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
         ``tree_check_gradients``, and the tests, compare the walk with."""
         return dense_loss(
             model, inputs, self.epsilon_low, self.epsilon_high, self.temperature,
-            self.current_gradient_accumulation_steps, self.accelerator.num_processes,
+            self.current_gradient_accumulation_steps, self.accelerator.num_processes, self._decoupled,
         )  # fmt: skip
 
     def _walked_in_step(self, model, inputs) -> MicroBatchWalk:
@@ -211,7 +217,9 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
         world = self.accelerator.num_processes
         accumulation = self.current_gradient_accumulation_steps if training else 1
         normalisers = [tokens_per_rank(inputs, world) for inputs in batches]
-        loss_fn = ClippedSurrogate(samples, normalisers, self.epsilon_low, self.epsilon_high, accumulation)
+        loss_fn = ClippedSurrogate(
+            samples, normalisers, self.epsilon_low, self.epsilon_high, accumulation, self._decoupled
+        )
         sequences = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
         metrics = self._metrics["train" if training else "eval"]
         walk = self._walker.step(
@@ -264,6 +272,8 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
         extremes = self.accelerator.gather(extremes).reshape(-1, 2)  # (ranks, 2)
         metrics["clip_ratio/low_min"].append(nanmin(extremes[:, 0]).item())
         metrics["clip_ratio/high_max"].append(nanmax(extremes[:, 1]).item())
+        if self._decoupled is not None:  # the walk's log-probs are the proximal policy's (ppo_async_loss.py)
+            self._log_importance_weights(walked, count, device)
         trained, forward, samples = inputs["counts"][0].tolist()  # (the micro-batch's, over all ranks)
         mean_seq_len = forward / samples
         self._step_forward_tokens += forward
@@ -271,6 +281,22 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
         self._step_seq_len_weighted += mean_seq_len * forward
         self._step_samples += samples
         self._step_forward_s += self._last_forward_time_s
+
+    def _log_importance_weights(self, walked: MicroBatchWalk, count: float, device) -> None:
+        """The decoupled objective's importance weights π_prox / π_behav over the micro-batch's trained tokens
+        (every rank): their mean and largest value before capping, and the share over the cap. (The clip
+        fraction against the proximal policy is 0 by construction here, one update per walked step: not
+        logged; TRL's ``clip_ratio/*`` still measure the ratio against the behaviour policy.)"""
+        rows = [importance_sums(lp, s.old_logps, self._decoupled).to(device)
+                for s, lp in zip(walked.samples, walked.logps, strict=True)]  # fmt: skip
+        sums = torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64, device=device)
+        total = self.accelerator.reduce(sums[:, :2].sum(0), reduction="sum")
+        local = sums[:, 2].max() if rows else torch.tensor(-torch.inf, dtype=torch.float64, device=device)
+        largest = self.accelerator.gather(local.reshape(1)).max()  # (one value per rank, -inf if none)
+        metrics = self._metrics["train"]
+        metrics["decoupled/imp_weight_mean"].append(float(total[0]) / count if count else nan)
+        metrics["decoupled/imp_weight_max"].append(float(largest) if count else nan)
+        metrics["decoupled/capped_ratio"].append(float(total[1]) / count if count else nan)
 
 
 @contextmanager

@@ -1,0 +1,151 @@
+"""AsyncTreePPOTrainer's decoupled objective (``use_decoupled_loss``, AReaL's): the walk against the same
+objective written out here, with the proximal log-probs from a separate no-gradient forward; samples of four
+policy versions in one trie, identical samples of different versions, tokens over the weight's cap (masked
+or truncated); and ``train()`` against a dense SGD reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_async_trainer import (
+    EPS_HIGH,
+    EPS_LOW,
+    TEMPERATURE,
+    make_trainer,
+    plain_model,
+    rollout,
+    rollouts,
+    true_logps,
+    walk_grads,
+)
+
+from trl_dta.compare import relative_error
+from trl_dta.train.ppo_async_loss import Decoupled
+
+CAP = 1.3  # with behaviour log-probs 1.0 off the policy's, a third of the tokens are over it
+
+
+def decoupled_reference(model, micro_batches, accumulation, cap, mode):
+    """The decoupled objective written out: per micro-batch, over the flat list of its trained tokens, the
+    proximal log-probs by a no-gradient forward, the weight exp(prox - behav) masked or clamped above
+    ``cap``, the ratio against the proximal policy clipped, divided by the tokens and the accumulation."""
+    total, over = 0.0, 0
+    for samples in micro_batches:
+        terms = []
+        for s in samples:
+            ids = torch.tensor([s.input_ids.tolist()])
+
+            def logps(ids=ids):
+                logits = model(input_ids=ids).logits[0, :-1] / TEMPERATURE
+                return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+
+            trained = torch.tensor(s.completion_mask[1:]).bool()
+            with torch.no_grad():
+                prox = logps()[trained]
+            lp = logps()[trained]
+            behav = torch.tensor(s.old_log_probs[1:])[trained].to(lp.dtype)
+            weight = torch.exp(prox - behav)
+            over += int((weight > cap).sum())
+            weight = torch.where(weight > cap, 0.0, weight) if mode == "mask" else weight.clamp(max=cap)
+            advantage = float(torch.tensor(s.advantage, dtype=torch.float32))
+            ratio = torch.exp(lp - prox)
+            clipped = torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH)
+            terms.append(-torch.min(ratio * advantage, clipped * advantage) * weight)
+        flat = torch.cat(terms)
+        total = total + flat.sum() / max(flat.numel(), 1) / accumulation
+    return total, over
+
+
+@pytest.fixture(scope="module")
+def fp64_decoupled(model_dir, tmp_path_factory, fp64_exact):
+    budgets = dict(tree_block_size=16, tree_batch_tokens=24, tree_subtree_tokens=32)
+    trainer = make_trainer(model_dir, tmp_path_factory.mktemp("fp64d"), use_decoupled_loss=True,
+                           behav_imp_weight_cap=CAP, **budgets)  # fmt: skip
+    trainer.model.double()
+    return trainer
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seed=st.integers(0, 10_000), mode=st.sampled_from(["mask", "truncate"]), accumulation=st.integers(1, 2)
+)
+def test_decoupled_walk_equals_the_objective_written_out_fp64(fp64_decoupled, seed, mode, accumulation):
+    trainer, model = fp64_decoupled, fp64_decoupled.model
+    trainer._decoupled = Decoupled(CAP, mode)
+    samples = rollouts(seed, model, groups=2, per_group=3, versions=(0, 1, 2, 3), noise=1.0)
+    twin = samples[0]  # the same tokens from another policy version: other behaviour log-probs
+    lp = true_logps(model, twin.input_ids.tolist())
+    samples.append(rollout(twin.input_ids, twin.completion_mask, [0.0] + (lp - 0.5).tolist(), -0.7,
+                           version=4, group=twin.group_id))  # fmt: skip
+    cut = -(-len(samples) // accumulation)
+    micro_batches = [samples[i : i + cut] for i in range(0, len(samples), cut)]
+    grads, walked, batches = walk_grads(trainer, micro_batches, accumulation)
+    model.zero_grad(set_to_none=True)
+    loss, over = decoupled_reference(model, micro_batches, accumulation, CAP, mode)
+    loss.backward()
+    reference = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    assert over > 0  # some tokens over the cap: the masking/truncation is exercised
+    assert relative_error(grads, reference) <= 1e-10
+    assert sum(w.loss for w in walked) == pytest.approx(float(loss), rel=1e-10)
+    # the library's dense reference (its own no-gradient proximal pass) agrees too
+    trainer.current_gradient_accumulation_steps = accumulation
+    dense = sum(float(trainer.dense_loss(model, b)) for b in batches)
+    assert dense == pytest.approx(float(loss), rel=1e-10)
+
+
+def test_decoupled_keeps_the_gradient_the_coupled_objective_clips_away(fp64_decoupled):
+    """A stale sample whose behaviour log-probs are far below the policy's: every token's coupled ratio is
+    past the clip range (no gradient from it); the decoupled objective weights it and keeps it."""
+    trainer, model = fp64_decoupled, fp64_decoupled.model
+    sample = rollouts(3, model, groups=1, per_group=1)[0]
+    lp = true_logps(model, sample.input_ids.tolist())
+    stale = rollout(sample.input_ids, sample.completion_mask, [0.0] + (lp - 0.25).tolist(), 1.0, version=0)
+    trainer._decoupled = Decoupled(None, "mask")
+    decoupled, _, _ = walk_grads(trainer, [[stale]], 1)
+    trainer._decoupled = None
+    coupled, _, _ = walk_grads(trainer, [[stale]], 1)
+    trainer._decoupled = Decoupled(CAP, "mask")
+    assert max(g.abs().max() for g in coupled.values()) == 0  # ratio exp(0.25) > 1.28 with A > 0: clipped
+    assert max(g.abs().max() for g in decoupled.values()) > 0
+
+
+def test_decoupled_train_steps_equal_dense_sgd_and_log_the_weights(model_dir, tmp_path):
+    steps, per_batch, accumulation, lr = 2, 3, 2, 0.05
+    reference = plain_model(model_dir)
+    samples = rollouts(21, reference, groups=6, per_group=3, versions=(0, 1, 2, 3), noise=1.0)
+    shape = dict(per_device_train_batch_size=per_batch, gradient_accumulation_steps=accumulation)
+    trainer = make_trainer(
+        model_dir, tmp_path, samples, max_steps=steps, learning_rate=lr, use_decoupled_loss=True,
+        behav_imp_weight_cap=CAP, max_staleness=10, **shape,
+    )  # fmt: skip
+    before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    trainer.train()
+    for step in range(steps):
+        chunk = samples[step * accumulation * per_batch : (step + 1) * accumulation * per_batch]
+        micro_batches = [chunk[i : i + per_batch] for i in range(0, len(chunk), per_batch)]
+        reference.zero_grad(set_to_none=True)
+        loss, _ = decoupled_reference(reference, micro_batches, accumulation, CAP, "mask")
+        loss.backward()
+        with torch.no_grad():
+            for p in reference.parameters():
+                p -= lr * p.grad
+    trained = dict(trainer.model.named_parameters())
+    update = {n: trained[n].detach() - before[n] for n in before}
+    expected = {n: p.detach() - before[n] for n, p in reference.named_parameters()}
+    assert relative_error(update, expected) <= 1e-4
+    step_logs = [log for log in trainer.state.log_history if "decoupled/imp_weight_mean" in log]
+    assert len(step_logs) == steps
+    assert all(0 < log["decoupled/capped_ratio"] < 1 for log in step_logs)
+    assert all(log["decoupled/imp_weight_max"] > CAP for log in step_logs)
+
+
+def test_bad_decoupled_settings_are_refused(model_dir, tmp_path):
+    from test_async_trainer import make_config
+
+    with pytest.raises(ValueError, match="behav_imp_weight_cap must be a number > 1"):
+        make_config(tmp_path, use_decoupled_loss=True, behav_imp_weight_cap=0.5)
+    with pytest.raises(ValueError, match="behav_imp_weight_mode must be 'mask' or 'truncate'"):
+        make_config(tmp_path, use_decoupled_loss=True, behav_imp_weight_mode="clip")
