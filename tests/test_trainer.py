@@ -322,3 +322,20 @@ def test_compute_loss_on_a_micro_batch_of_its_own_equals_stock_trl(tmp_path, mod
         trainer.accelerator.backward(loss)
         grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
     assert max_rel_diff(grads[1], grads[0]) <= TOL
+
+
+def test_a_step_on_the_dense_path_equals_stock_trl(tmp_path, model_dir):
+    """``tree_dense_fallback="always"``: every step takes TRL's own dense loss and backward (what "auto"
+    does where the cost model predicts the walk slower): stock TRL's gradients, and ``tree/path`` says so."""
+    stock, ref = train(ScriptedGRPOTrainer, GRPOConfig, model_dir, tmp_path, **MOVING, **GA4)
+    recorder = GradRecorder()
+    config = make_config(tmp_path / "dense", config_cls=TreePPOConfig, tree_dense_fallback="always",
+                         **MOVING, **GA4)  # fmt: skip
+    trainer = make_trainer(TreeScripted, config, model=model_dir, callbacks=[recorder])
+    trainer.train()
+    assert len(recorder.grads) == len(ref) == 2
+    for g, r in zip(recorder.grads, ref, strict=True):
+        assert max_rel_diff(g, r) <= TOL
+    paths = [log["tree/path"] for log in trainer.state.log_history if "tree/path" in log]
+    assert paths == [1.0, 1.0]
+    assert not any("tree/time_s" in log for log in trainer.state.log_history)  # nothing walked

@@ -97,6 +97,7 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         self._walker.reserve(self.vllm_reserved_bytes())  # (a colocated vLLM engine's share, VLLMMixin)
         self._tree_pending: dict[int, Walked] = {}  # walked micro-batches of this step, by buffer index
         self._tree_position = 0  # micro-batches of the current optimizer step served so far
+        self._tree_dense = False  # the current step takes TRL's dense path (tree_dense_fallback)
         self._tree_lexicographic = getattr(a, "tree_lexicographic_steps", False)
         self._tree_ordered = None  # the buffered micro-batches last put in lexicographic order
         self._loss_settings = LossSettings.from_trainer(self)
@@ -188,6 +189,8 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
                 f"multimodal inputs ({', '.join(multimodal)}) are not supported by the tree walk."
             )
         mode = "train" if self.model.training else "eval"
+        if mode == "train" and torch.is_grad_enabled() and self._takes_dense_path(model, inputs):
+            return GRPOTrainer._compute_loss(self, _DensePass(model), inputs)  # (TRL's own loss and backward)
         if mode == "train" and torch.is_grad_enabled():
             walked = self._walked_in_step(model, inputs)
         else:
@@ -216,6 +219,32 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
             self._tree_pending = dict(zip(range(index, index + len(group)), walked_group, strict=True))
         self._tree_position = 0 if self.accelerator.sync_gradients else self._tree_position + 1
         return self._tree_pending.pop(index)
+
+    def _takes_dense_path(self, model, inputs) -> bool:
+        """Whether this micro-batch's optimizer step takes TRL's dense path (``tree_dense_fallback``: the cost
+        model predicts it faster; the same gradients), decided at the step's first micro-batch for all of
+        them (:meth:`StepWalker.prefer_dense`). Never with a value model (its training walk shares the
+        step's trie) or for a micro-batch that is not TRL's buffered one."""
+        index = self._step % self.args.steps_per_generation
+        buffered = self._buffered_inputs
+        if (
+            self._critic is not None
+            or buffered is None
+            or index >= len(buffered)
+            or buffered[index] is not inputs
+        ):
+            return False
+        if self._tree_position == 0 and index not in self._tree_pending:  # the step's first micro-batch
+            group = buffered[index : index + self.current_gradient_accumulation_steps]
+            seqs, _ = step_sequences(group, keep_prompt_only=self.aux_loss_enabled)
+            passes = float(self.top_entropy_quantile < 1.0) + float(self.aux_loss_enabled)
+            self._tree_dense = self._walker.prefer_dense(
+                model, seqs, no_grad_passes=passes, metrics=self._metrics["train"],
+                checkpointing=bool(self.args.gradient_checkpointing),
+            )  # fmt: skip
+        if self._tree_dense:
+            self._tree_position = 0 if self.accelerator.sync_gradients else self._tree_position + 1
+        return self._tree_dense
 
     def _row_loss(self, inputs, training: bool, entropies: torch.Tensor | None) -> RowLoss:
         """TRL's loss for one micro-batch, per row: the micro-batch constants are settled here."""
