@@ -149,3 +149,37 @@ def test_bad_decoupled_settings_are_refused(model_dir, tmp_path):
         make_config(tmp_path, use_decoupled_loss=True, behav_imp_weight_cap=0.5)
     with pytest.raises(ValueError, match="behav_imp_weight_mode must be 'mask' or 'truncate'"):
         make_config(tmp_path, use_decoupled_loss=True, behav_imp_weight_mode="clip")
+
+
+def test_staleness_at_training_is_logged_and_checked_when_asked(model_dir, tmp_path):
+    """The step's samples carry their policy version from the queue to the walk: the staleness at training
+    is logged; with ``check_staleness_at_training`` a sample past ``max_staleness`` when its step trains
+    leaves the loss (here: the trainer's version moved on after the queue's check)."""
+    from test_async_trainer import as_example, tiny_tokenizer
+
+    from trl_dta.train.ppo_async_data import SampleCollator
+
+    reference = plain_model(model_dir)
+    samples = rollouts(5, reference, groups=2, per_group=3, versions=(0, 1, 2))
+    trainer = make_trainer(model_dir, tmp_path, max_staleness=1, check_staleness_at_training=True)
+    trainer.model_version = 3  # staleness 3, 2, 1: the first two kinds are past the bound
+    examples = [{**as_example(s), "model_version": s.model_version} for s in samples]  # (as SampleBatcher)
+    batches = [SampleCollator(tiny_tokenizer().pad_token_id, 1).torch_call([examples])]
+    assert batches[0]["versions"].tolist() == [s.model_version for s in samples]
+    trainer.current_gradient_accumulation_steps = 1  # (set by the Trainer's loop)
+    walked = trainer._walk(trainer.model, batches, True)
+    assert {s.version for s in walked[0].samples} == {2}
+    metrics = trainer._metrics["train"]
+    assert metrics["staleness/train_max"] == [3.0] and metrics["staleness/train_mean"] == [2.0]
+    assert metrics["staleness/train_dropped"] == [4.0]
+
+
+def test_a_trained_sample_keeps_the_version_the_queue_gave_it(model_dir, tmp_path):
+    """End to end through TRL's queue dataset: versions reach the walk, and the staleness is logged."""
+    samples = rollouts(6, plain_model(model_dir), groups=6, per_group=3, versions=(0,))
+    trainer = make_trainer(model_dir, tmp_path, samples, max_steps=2, max_staleness=5)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "staleness/train_max" in log]
+    # samples of version 0, trained at versions 1 and 2 (TRL's cold weight sync makes the first version 1)
+    assert [log["staleness/train_max"] for log in logs] == [1.0, 2.0]
+    assert trainer.rollout_worker.versions[:2] == [1, 2]

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OPTIONS = ROOT / "docs" / "options.md"
 # the user-facing docs: where an old metric name would mislead
 USER_DOCS = [ROOT / "README.md", ROOT / "recipes" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-METRIC_PREFIXES = ("tree/", "perf/", "value/", "decoupled/")
+METRIC_PREFIXES = ("tree/", "perf/", "value/", "decoupled/", "staleness/")
 STEP_PREFIXES = ("tree/", "value_tree/")  # the step seam's metrics, f"{p}...": the policy's, a value model's
 # old name -> pattern of the name as a whole (not a prefix of the new one)
 OLD_METRICS = {
@@ -44,9 +44,9 @@ def _first_column_names(text: str, pattern: str) -> set[str]:
 
 
 def _logged_metrics() -> set[str]:
-    """The metric names the library logs, read from its source: string literals ``tree/...``, ``perf/...``,
-    ``value/...`` and ``decoupled/...``, and the step seam's names ``f"{p}suffix"`` under each of
-    :data:`STEP_PREFIXES`; the one computed suffix, ``f"{p}{name}"``, is a budget of ``Budgets.metrics()``."""
+    """The metric names the library logs, read from its source: string literals under
+    :data:`METRIC_PREFIXES`, and the step seam's names ``f"{p}suffix"`` under each of :data:`STEP_PREFIXES`;
+    the one computed suffix, ``f"{p}{name}"``, is a budget of ``Budgets.metrics()``."""
     from trl_dta.walk.budgets import Budgets, TokenBudgets
 
     budgets = Budgets()
@@ -65,7 +65,7 @@ def _logged_metrics() -> set[str]:
                 elif _is_prefix(head):
                     computed.append(f"{path.relative_to(ROOT)}: {ast.unparse(node)}")
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in parts:
-                if re.fullmatch(r"(tree|perf|value|decoupled)/[a-z0-9_/]+", node.value):
+                if re.fullmatch(r"(tree|perf|value|decoupled|staleness)/[a-z0-9_/]+", node.value):
                     names.add(node.value)
     # a new computed name fails here: say in this test where its names come from
     assert computed == ["trl_dta/train/step.py: f'{p}{name}'"], computed
@@ -85,7 +85,7 @@ def test_every_logged_metric_is_documented_and_every_documented_one_is_logged():
     assert {"tree/time_s", "tree/peak_memory_gib", "tree/check_error", "tree/block_size"} <= logged
     assert "perf/generation_s" in logged
     metrics = _section(OPTIONS.read_text(), "## Metrics")
-    documented = _first_column_names(metrics, r"(?:tree|perf|value|decoupled)/[a-z0-9_/]+")
+    documented = _first_column_names(metrics, r"(?:tree|perf|value|decoupled|staleness)/[a-z0-9_/]+")
     assert "| `value_tree/*` |" in metrics  # one row for the value model's walk: the step seam's tree/* names
     documented |= {"value_" + name for name in documented if "value_" + name in logged}
     assert not logged - documented, f"logged, not in docs/options.md's Metrics table: {logged - documented}"

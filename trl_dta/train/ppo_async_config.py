@@ -34,6 +34,12 @@ class AsyncTreePPOConfig(TreeArguments, AsyncGRPOConfig):
             Zero every dropout probability of the policy (TRL's async trainer keeps the model's): a shared
             prefix shares one dropout mask, so the walk equals the dense loss only without randomness. With
             `False`, a model that still has randomness in train mode is refused when the trainer is built.
+        check_staleness_at_training (`bool`, defaults to `False`):
+            TRL checks `max_staleness` when a sample leaves the queue; accelerate prefetches the next
+            micro-batch, so a sample can train one policy version later than that (`max_staleness + 1`).
+            With `True`, the bound is checked again when the step trains: a sample past it leaves the loss
+            (counted as `staleness/train_dropped`; its micro-batch's normaliser is kept). The staleness at
+            training is logged either way (`staleness/train_max`, `staleness/train_mean`).
         use_decoupled_loss (`bool`, defaults to `False`):
             AReaL's decoupled PPO objective for stale samples (docs/async.md, "The objective"): the ratio is
             clipped against the *proximal* policy (the trainer's weights when the step starts) and each
@@ -77,6 +83,13 @@ class AsyncTreePPOConfig(TreeArguments, AsyncGRPOConfig):
         default=False,
         metadata={"help": "Not needed by the tree walk; if on, it is suspended during the walk."},
     )
+    check_staleness_at_training: bool = field(
+        default=False,
+        metadata={
+            "help": "Also check max_staleness when a sample trains (TRL checks it when the sample leaves the "
+            "queue): a sample past it leaves the loss."
+        },
+    )
     use_decoupled_loss: bool = field(
         default=False,
         metadata={
@@ -110,6 +123,7 @@ def check_async_arguments(args) -> None:
     ``attn_implementation`` in ``model_init_kwargs``, a positive ``token_budget``, a decoupled loss's cap of
     1 or less or an unknown cap mode."""
     check_flag("use_decoupled_loss", getattr(args, "use_decoupled_loss", False))
+    check_flag("check_staleness_at_training", getattr(args, "check_staleness_at_training", False))
     cap = getattr(args, "behav_imp_weight_cap", None)
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 1):
         raise ValueError(f"behav_imp_weight_cap must be a number > 1 or None, got {cap!r}")

@@ -23,20 +23,41 @@ from trl.trainer.utils import pad
 from ..partition import lexicographic_partition
 
 
+class VersionedQueue:
+    """TRL's rollout queue, remembering the policy version of each sample taken from it (by its
+    ``input_ids`` array, which ``RolloutQueueDataset`` yields as it is): the version travels with the sample
+    to the step that trains it (TRL's queue dataset yields the sample without it). Everything else is the
+    queue's."""
+
+    def __init__(self, queue):
+        self.queue, self.versions = queue, {}
+
+    def get(self, *args, **kwargs):
+        sample = self.queue.get(*args, **kwargs)
+        self.versions[id(sample.input_ids)] = int(sample.model_version)
+        return sample
+
+    def __getattr__(self, name):
+        return getattr(self.queue, name)
+
+
 class SampleBatcher(torch.utils.data.IterableDataset):
     """Micro-batches of ``count`` samples from ``dataset`` (TRL's ``RolloutQueueDataset``), in queue order.
-    No sample is dropped: the walk's memory is bounded by its own budgets, not by the samples' lengths."""
+    No sample is dropped: the walk's memory is bounded by its own budgets, not by the samples' lengths.
+    ``versions``: a :class:`VersionedQueue`'s, whose versions are added to the samples (``model_version``)."""
 
-    def __init__(self, dataset, count: int):
+    def __init__(self, dataset, count: int, versions: dict | None = None):
         if count < 1:
             raise ValueError(
                 f"a micro-batch needs at least one sample, got per_device_train_batch_size={count}"
             )
-        self.dataset, self.count = dataset, count
+        self.dataset, self.count, self.versions = dataset, count, versions
 
     def __iter__(self):
         batch = []
         for sample in self.dataset:
+            if self.versions is not None:
+                sample = {**sample, "model_version": self.versions.pop(id(sample["input_ids"]), -1)}
             batch.append(sample)
             if len(batch) == self.count:
                 yield batch
@@ -55,7 +76,8 @@ class SampleCollator(DataCollatorForRollout):
     hands rank ``r`` the ``r``-th block.
 
     Keys: ``input_ids``, ``completion_mask``, ``old_log_probs`` (``[N, L]``, aligned with ``input_ids`` as
-    TRL's samples are), ``lengths``, ``advantages`` (``[N]``) and ``counts`` (``[N, 3]``, every row the
+    TRL's samples are), ``lengths``, ``advantages``, ``versions`` (``[N]``: the policy version that generated
+    each sample, -1 if unknown) and ``counts`` (``[N, 3]``, every row the
     micro-batch's trained tokens over all ranks, its unique tokens as TRL's packing counts them, and its
     number of samples: TRL's normaliser and ``perf/*`` accounting). Logs TRL's per-micro-batch sample
     metrics (one ``TreeRow`` per rank) and counts the trained prompt groups as TRL's collator does."""
@@ -101,6 +123,7 @@ class SampleCollator(DataCollatorForRollout):
             "lengths": lengths,
             "advantages": advantages[order] * keep,
             "counts": torch.tensor([counts] * len(order)),
+            "versions": torch.tensor([int(samples[i].get("model_version", -1)) for i in order]),
         }
         self.groups_trained.update(s["group_id"] for s in samples)
         padded = torch.arange(batch["input_ids"].shape[1])[None, :] < lengths[:, None]

@@ -50,6 +50,7 @@ class AsyncSample(NamedTuple):
     positions: torch.Tensor  # indices into the scored log-probs (from score_from) of its trained tokens (CPU)
     old_logps: torch.Tensor  # the behaviour (vLLM) log-probs of those tokens (CPU, float32)
     advantage: float
+    version: int = -1  # the policy version that generated it (-1: unknown)
 
 
 def tokens_per_rank(inputs: dict, world_size: int = 1) -> float:
@@ -64,6 +65,7 @@ def micro_batch_samples(inputs: dict, batch: int = 0) -> list[AsyncSample]:
     walk leaves it out."""
     keys = ("input_ids", "completion_mask", "old_log_probs", "advantages", "lengths")
     ids, masks, old, advantages, lengths = (inputs[k].cpu() for k in keys)  # (one copy, not one per sample)
+    versions = inputs["versions"].tolist() if "versions" in inputs else [-1] * len(lengths)
     samples = []
     for i, length in enumerate(lengths.tolist()):
         trained = torch.nonzero(masks[i, 1:length], as_tuple=True)[0] + 1  # token indices p with a loss term
@@ -78,6 +80,7 @@ def micro_batch_samples(inputs: dict, batch: int = 0) -> list[AsyncSample]:
                 positions=trained - 1 - score_from,
                 old_logps=old[i, trained],
                 advantage=float(advantages[i]),
+                version=int(versions[i]),
             )
         )
     return samples

@@ -48,7 +48,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset, 
 from trl.trainer.utils import nanmax, nanmin
 
 from .ppo_async_config import AsyncTreePPOConfig, check_async_arguments
-from .ppo_async_data import SampleBatcher, SampleCollator
+from .ppo_async_data import SampleBatcher, SampleCollator, VersionedQueue
 from .ppo_async_loss import (
     ClippedSurrogate,
     Decoupled,
@@ -144,8 +144,9 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
     def get_train_dataloader(self) -> DataLoader:
         num_processes = self.accelerator.num_processes
         if self.accelerator.is_main_process:
+            versioned = VersionedQueue(self.rollout_queue)  # (each sample's version, to its training step)
             dataset = RolloutQueueDataset(
-                rollout_queue=self.rollout_queue,
+                rollout_queue=versioned,
                 model_version_fn=lambda: self.model_version,
                 check_health_fn=self.rollout_worker.check_health,
                 stale_after_s=self.args.heartbeat_stale_after_s,
@@ -154,7 +155,9 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
                 report_to=self.args.report_to,
             )
             self._rollout_dataset = dataset  # (TRL's step metrics read its queue wait)
-            dataset = SampleBatcher(dataset, self.args.per_device_train_batch_size * num_processes)
+            dataset = SampleBatcher(
+                dataset, self.args.per_device_train_batch_size * num_processes, versioned.versions
+            )
         else:
             dataset = _EmptyIterableDataset()
         collator = SampleCollator(
@@ -214,6 +217,8 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
         micro-batch's share of TRL's loss: backward in training, scoring otherwise. Returns each micro-batch's
         share."""
         samples = [s for b, inputs in enumerate(batches) for s in micro_batch_samples(inputs, b)]
+        if training:
+            samples = self._within_staleness(samples)
         world = self.accelerator.num_processes
         accumulation = self.current_gradient_accumulation_steps if training else 1
         normalisers = [tokens_per_rank(inputs, world) for inputs in batches]
@@ -241,6 +246,30 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
         for b, share in enumerate(out):
             share.loss = results.total([k for k, s in enumerate(samples) if s.batch == b])
         return out
+
+    def _within_staleness(self, samples: list) -> list:
+        """The step's samples as they train: their staleness now (the policy version less each one's, over
+        every rank's samples) logged as ``staleness/train_max`` and ``staleness/train_mean``; with
+        ``check_staleness_at_training``, a sample past ``max_staleness`` (TRL checks it when the sample leaves
+        the queue; accelerate's prefetch can hand it to a later step) leaves the loss, counted in
+        ``staleness/train_dropped`` (the micro-batch's normaliser, fixed when it was collated, is kept)."""
+        known = [self.model_version - s.version for s in samples if s.version >= 0]
+        limit = self.args.max_staleness
+        check = getattr(self.args, "check_staleness_at_training", False)
+        over = [s for s in samples if check and s.version >= 0 and self.model_version - s.version > limit]
+        device = self.accelerator.device
+        sums = torch.tensor([sum(known), len(known), len(over)], dtype=torch.float64, device=device)
+        total, count, dropped = self.accelerator.reduce(sums, reduction="sum").tolist()
+        local = torch.tensor([max(known, default=-1)], dtype=torch.float64, device=device)
+        largest = float(self.accelerator.gather(local).max())
+        metrics = self._metrics["train"]
+        if count:
+            metrics["staleness/train_max"].append(largest)
+            metrics["staleness/train_mean"].append(total / count)
+        if check:
+            metrics["staleness/train_dropped"].append(dropped)
+        dropped_ids = {id(s) for s in over}
+        return [s for s in samples if id(s) not in dropped_ids]
 
     def _log_micro_batch(self, inputs, walked: MicroBatchWalk) -> None:
         """TRL's per-micro-batch metrics (``compute_loss``'s, logged under "train" as TRL's are) and per-step
