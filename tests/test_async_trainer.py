@@ -356,6 +356,8 @@ def test_refusals(model_dir, tmp_path):
         make_config(tmp_path, tree_attn_implementation="tree_fa3")
     with pytest.raises(TypeError, match="model id or directory"):
         AsyncTreePPOTrainer(tiny_model(), args=make_config(tmp_path))
+    with pytest.raises(ValueError, match="has no value model yet"):
+        AsyncTreePPOTrainer(str(model_dir), args=make_config(tmp_path), value_model=str(model_dir))
     with pytest.raises(ValueError, match="use_liger_kernel"):
         make_trainer(model_dir, tmp_path, use_liger_kernel=True)
     plain = dict(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to=[], max_steps=1)

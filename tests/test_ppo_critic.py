@@ -254,6 +254,8 @@ def test_what_a_value_model_cannot_do_is_refused_when_the_trainer_is_built(tmp_p
     with pytest.raises(TypeError, match="value_model must be a Hub id or a path"):
         make_trainer(TreeScripted, make_config(tmp_path, TreePPOConfig), value_model=3)
     policy = tiny_model(tiny_tokenizer())
+    with pytest.raises(ValueError, match="not a value model"):  # the policy itself, by mistake
+        make_trainer(TreeScripted, make_config(tmp_path, TreePPOConfig), model=policy, value_model=policy)
     dropout = value_model_from(policy)
     assert any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in dropout.modules())
     config = make_config(tmp_path, TreePPOConfig, disable_dropout=False)

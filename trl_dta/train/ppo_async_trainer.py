@@ -104,6 +104,12 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
                 f"AsyncTreePPOTrainer (like TRL's AsyncGRPOTrainer) loads the policy itself: pass a model id "
                 f"or directory, not a {type(model).__name__}."
             )
+        if kwargs.get("value_model") is not None:
+            raise ValueError(
+                "AsyncTreePPOTrainer has no value model yet: train PPO with a value model with TreePPOTrainer"
+                "(value_model=...) (docs/ppo-critic.md)."
+            )
+        kwargs.pop("value_model", None)
         if args is None:
             args = AsyncTreePPOConfig(f"{model.rstrip('/').split('/')[-1]}-AsyncTreePPO")
         check_async_arguments(args)  # (before TRL's set-up; a plain AsyncGRPOConfig too)

@@ -63,6 +63,17 @@ def check_value_model(value_model, accelerator) -> None:
             f"value_model must be a Hub id or a path, or a *ForTokenClassification module (num_labels=1), "
             f"got {type(value_model).__name__}."
         )
+    if isinstance(value_model, nn.Module):
+        from ..walk.model import _base_model, output_head
+
+        _, is_value_head = output_head(_base_model(value_model))
+        if not is_value_head:
+            raise ValueError(
+                f"value_model is a {type(value_model).__name__}, not a value model (a "
+                "*ForTokenClassification with num_labels=1, or a PEFT model of one): build one from the "
+                "policy with trl_dta.value_model_from(policy), or pass the policy's path (a zero value head "
+                "is added)."
+            )
     kind = accelerator.distributed_type
     if kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         raise ValueError(
