@@ -356,8 +356,10 @@ def test_refusals(model_dir, tmp_path):
         make_config(tmp_path, tree_attn_implementation="tree_fa3")
     with pytest.raises(TypeError, match="model id or directory"):
         AsyncTreePPOTrainer(tiny_model(), args=make_config(tmp_path))
-    with pytest.raises(ValueError, match="has no value model yet"):
-        AsyncTreePPOTrainer(str(model_dir), args=make_config(tmp_path), value_model=str(model_dir))
+    with pytest.raises(ValueError, match="not a value model"):  # a causal LM passed as the value model
+        AsyncTreePPOTrainer(str(model_dir), args=make_config(tmp_path), value_model=tiny_model(),
+                            processing_class=tiny_tokenizer(), train_dataset=make_dataset(2),
+                            rollout_worker=QueueWorker([]), weight_transfer=NoWeightTransfer())  # fmt: skip
     with pytest.raises(ValueError, match="use_liger_kernel"):
         make_trainer(model_dir, tmp_path, use_liger_kernel=True)
     plain = dict(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to=[], max_steps=1)

@@ -16,7 +16,8 @@ the rest both.
   TRL batch's rows as token sequences; batches merged and re-cut row-wise), ``ppo_repartition.py`` (a
   step's rollouts re-split across ranks). PPO with a value model: ``ppo_value_args.py`` (its options),
   ``ppo_values.py`` (its arithmetic: GAE over the policy's own tokens, whitening, the clipped value loss),
-  ``ppo_critic.py`` (loading it, its optimizer and checkpoint), ``ppo_value_model.py`` (the trainer's hooks).
+  ``ppo_critic.py`` (loading it, its optimizer and checkpoint), ``ppo_value_model.py`` (the trainers' hooks),
+  ``ppo_async_values.py`` (the asynchronous trainer's: values at training time).
 * SFT: ``sft_config.py`` (:class:`TreeSFTConfig`), ``sft_trainer.py`` (the trainer), ``sft_samples.py``
   (TRL's SFT batches as samples).
 

@@ -7,11 +7,12 @@ from dataclasses import dataclass, field
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from ..walk.checks import SUPPORTED_ATTENTION
+from .ppo_value_args import ValueArguments
 from .tree_args import TreeArguments, check_flag
 
 
 @dataclass
-class AsyncTreePPOConfig(TreeArguments, AsyncGRPOConfig):
+class AsyncTreePPOConfig(TreeArguments, ValueArguments, AsyncGRPOConfig):
     """Configuration for :class:`~trl_dta.AsyncTreePPOTrainer`: every ``AsyncGRPOConfig`` field (TRL's
     ``trl.experimental.async_grpo``: the vLLM server, the rollout pipeline, ``max_staleness``,
     ``weight_sync_steps``, ``epsilon``/``epsilon_high``, ...), plus:
@@ -24,6 +25,9 @@ class AsyncTreePPOConfig(TreeArguments, AsyncGRPOConfig):
             them. The budgets bound the memory of a step's walk (one root-to-leaf path at a time); they
             replace TRL's ``token_budget``. ``tree_check_gradients`` compares the first step with the dense
             loss of :func:`~trl_dta.train.ppo_async_loss.dense_loss` (a plain forward per sample).
+        gamma, lam, cliprange_value, whiten_advantages, value_learning_rate, value_max_grad_norm:
+            PPO with a value model (the trainer's `value_model`; not read without one):
+            :class:`~trl_dta.train.ppo_value_args.ValueArguments` documents them (docs/ppo-critic.md).
         tree_attn_implementation (`str`, defaults to `"sdpa"`):
             The attention the policy runs under. TRL's trainer loads the model with its FA3 tree-packing
             kernel (fetched from a kernel hub at the first forward, CUDA only); this trainer switches the

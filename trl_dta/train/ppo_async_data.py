@@ -77,7 +77,8 @@ class SampleCollator(DataCollatorForRollout):
 
     Keys: ``input_ids``, ``completion_mask``, ``old_log_probs`` (``[N, L]``, aligned with ``input_ids`` as
     TRL's samples are), ``lengths``, ``advantages``, ``versions`` (``[N]``: the policy version that generated
-    each sample, -1 if unknown) and ``counts`` (``[N, 3]``, every row the
+    each sample, -1 if unknown), ``rewards`` (``[N]``: each sample's reward, for a value model) and
+    ``counts`` (``[N, 3]``, every row the
     micro-batch's trained tokens over all ranks, its unique tokens as TRL's packing counts them, and its
     number of samples: TRL's normaliser and ``perf/*`` accounting). Logs TRL's per-micro-batch sample
     metrics (one ``TreeRow`` per rank) and counts the trained prompt groups as TRL's collator does."""
@@ -124,6 +125,7 @@ class SampleCollator(DataCollatorForRollout):
             "advantages": advantages[order] * keep,
             "counts": torch.tensor([counts] * len(order)),
             "versions": torch.tensor([int(samples[i].get("model_version", -1)) for i in order]),
+            "rewards": torch.tensor([float(samples[i].get("metrics", {}).get("reward", 0.0)) for i in order]),
         }
         self.groups_trained.update(s["group_id"] for s in samples)
         padded = torch.arange(batch["input_ids"].shape[1])[None, :] < lengths[:, None]

@@ -51,6 +51,7 @@ class AsyncSample(NamedTuple):
     old_logps: torch.Tensor  # the behaviour (vLLM) log-probs of those tokens (CPU, float32)
     advantage: float
     version: int = -1  # the policy version that generated it (-1: unknown)
+    reward: float = 0.0  # its reward (the rollout worker's), for a value model's GAE
 
 
 def tokens_per_rank(inputs: dict, world_size: int = 1) -> float:
@@ -66,6 +67,7 @@ def micro_batch_samples(inputs: dict, batch: int = 0) -> list[AsyncSample]:
     keys = ("input_ids", "completion_mask", "old_log_probs", "advantages", "lengths")
     ids, masks, old, advantages, lengths = (inputs[k].cpu() for k in keys)  # (one copy, not one per sample)
     versions = inputs["versions"].tolist() if "versions" in inputs else [-1] * len(lengths)
+    rewards = inputs["rewards"].tolist() if "rewards" in inputs else [0.0] * len(lengths)
     samples = []
     for i, length in enumerate(lengths.tolist()):
         trained = torch.nonzero(masks[i, 1:length], as_tuple=True)[0] + 1  # token indices p with a loss term
@@ -81,6 +83,7 @@ def micro_batch_samples(inputs: dict, batch: int = 0) -> list[AsyncSample]:
                 old_logps=old[i, trained],
                 advantage=float(advantages[i]),
                 version=int(versions[i]),
+                reward=float(rewards[i]),
             )
         )
     return samples
@@ -135,7 +138,8 @@ class ClippedSurrogate:
             weight, _ = self.decoupled.weights(old, s.old_logps.to(lp))
         ratio = torch.exp(lp - old)
         clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
-        per_token = -torch.min(ratio * s.advantage, clipped * s.advantage) * weight
+        advantage = _on(s.advantage, lp)  # (a float, or per token with a value model)
+        per_token = -torch.min(ratio * advantage, clipped * advantage) * weight
         return per_token.sum() / self.normalisers[s.batch] / self.accumulation
 
 
@@ -174,6 +178,7 @@ def surrogate_sums(logps: torch.Tensor, old: torch.Tensor, advantage: float, ent
     """One sample's sums behind TRL's metrics, over its trained tokens: ``[ratio, kl (k3), entropy,
     low-clipped, high-clipped, region-clipped, count]`` (float64)."""
     logps, old, entropies = logps.double(), old.to(logps.device).double(), entropies.double()
+    advantage = _on(advantage, logps)
     log_ratio = logps - old
     ratio = torch.exp(log_ratio)
     low = (ratio < 1 - epsilon_low) & (advantage < 0)
@@ -190,3 +195,8 @@ def importance_sums(logps: torch.Tensor, behaviour: torch.Tensor, decoupled: Dec
     _, over = decoupled.weights(logps.double(), behaviour.to(logps.device).double())
     largest = weight.max() if weight.numel() else weight.new_zeros(())
     return torch.stack([weight.sum(), over.double().sum(), largest])
+
+
+def _on(advantage, like: torch.Tensor):
+    """A sample's advantage beside ``like``: a float as it is; per-token advantages on its device, dtype."""
+    return advantage if isinstance(advantage, float) else advantage.to(like)

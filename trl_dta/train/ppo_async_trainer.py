@@ -58,6 +58,8 @@ from .ppo_async_loss import (
     surrogate_sums,
     tokens_per_rank,
 )
+from .ppo_async_values import SampleValueLoss, sample_targets
+from .ppo_value_model import ValueModelMixin
 from .refusals import check_arguments, rollout_length
 from .step import StepSequence, StepWalker
 from .tree_args import PAPER
@@ -71,7 +73,7 @@ class MicroBatchWalk:
         self.samples, self.logps, self.entropies, self.loss = samples, logps, entropies, loss
 
 
-class AsyncTreePPOTrainer(AsyncGRPOTrainer):
+class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
     """TRL's ``AsyncGRPOTrainer`` (same arguments) training on one prefix trie of each optimizer step's
     rollouts: shared prefixes are forwarded and backpropagated once, memory is bounded by one root-to-leaf
     path (the ``tree_*`` budgets), no sample is dropped for its length, any attention the walk supports
@@ -89,7 +91,8 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
         trainer.train()
 
     Args: those of ``AsyncGRPOTrainer`` (``model`` is a model id or directory, as there; ``rollout_worker``
-    and ``weight_transfer`` are TRL's protocols). ``args`` should be an :class:`~trl_dta.AsyncTreePPOConfig`
+    and ``weight_transfer`` are TRL's protocols), and ``value_model`` (keyword): PPO with a value model, as
+    :class:`~trl_dta.TreePPOTrainer`'s, its values taken at training time (:mod:`trl_dta.train.ppo_async_values`). ``args`` should be an :class:`~trl_dta.AsyncTreePPOConfig`
     (a plain ``AsyncGRPOConfig`` gets the tree options' defaults; ``None`` makes an ``AsyncTreePPOConfig``).
     One process or several (DDP; see the module docstring).
     """
@@ -104,12 +107,7 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
                 f"AsyncTreePPOTrainer (like TRL's AsyncGRPOTrainer) loads the policy itself: pass a model id "
                 f"or directory, not a {type(model).__name__}."
             )
-        if kwargs.get("value_model") is not None:
-            raise ValueError(
-                "AsyncTreePPOTrainer has no value model yet: train PPO with a value model with TreePPOTrainer"
-                "(value_model=...) (docs/ppo-critic.md)."
-            )
-        kwargs.pop("value_model", None)
+        value_model = kwargs.pop("value_model", None)
         if args is None:
             args = AsyncTreePPOConfig(f"{model.rstrip('/').split('/')[-1]}-AsyncTreePPO")
         check_async_arguments(args)  # (before TRL's set-up; a plain AsyncGRPOConfig too)
@@ -135,6 +133,7 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
         self._decoupled = None  # AReaL's decoupled objective (use_decoupled_loss), else TRL's coupled one
         if getattr(a, "use_decoupled_loss", False):
             self._decoupled = Decoupled(a.behav_imp_weight_cap, a.behav_imp_weight_mode)
+        self._init_value_model(value_model)  # (PPO with a value model: ppo_async_values.py)
         self._step_batches: list[dict] = []  # the current optimizer step's micro-batches (get_batch_samples)
         self._tree_position = 0  # micro-batches of the current step served so far
         self._tree_pending: dict[int, MicroBatchWalk] = {}
@@ -192,6 +191,7 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
         loss = torch.tensor(walked.loss, device=device, dtype=torch.float32)
         if training:
             self._walker.micro_batch_done(model)
+            self._value_model_step()  # (a value model: its optimizer step after the step's last micro-batch)
             return torch.zeros((), device=device, requires_grad=True) + loss  # (gradients are in .grad)
         return loss
 
@@ -228,17 +228,26 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
         world = self.accelerator.num_processes
         accumulation = self.current_gradient_accumulation_steps if training else 1
         normalisers = [tokens_per_rank(inputs, world) for inputs in batches]
+        sequences = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
+        metrics = self._metrics["train" if training else "eval"]
+        critic = None
+        if self._critic is not None:  # the current value model's values, GAE: per-token advantages
+            samples, critic = self._value_advantages(samples, sequences, normalisers, accumulation, metrics)
         loss_fn = ClippedSurrogate(
             samples, normalisers, self.epsilon_low, self.epsilon_high, accumulation, self._decoupled
         )
-        sequences = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
-        metrics = self._metrics["train" if training else "eval"]
         walk = self._walker.step(
             model, sequences, training=training, metrics=metrics, dense_loss=self.dense_loss, batches=batches
         )
         with walk as step:
             if training:
                 step.backward(loss_fn, self.temperature, entropies=True, entropy_grad=False)
+                if critic is not None:  # the value model on the same trie (its peak is the step's too)
+                    with self._walker.step(self._critic.model, sequences, metrics=metrics,
+                                           prefix="value_tree/") as value_step:  # fmt: skip
+                        value_step.backward(critic, entropies=False)
+                    metrics["value/loss"].append(self._reduced_loss(value_step.results, samples))
+                    step.include(value_step)
             else:
                 step.score(loss_fn, self.temperature)
         results = step.results
@@ -252,6 +261,31 @@ class AsyncTreePPOTrainer(AsyncGRPOTrainer):
         for b, share in enumerate(out):
             share.loss = results.total([k for k, s in enumerate(samples) if s.batch == b])
         return out
+
+    def _value_advantages(self, samples, sequences, normalisers, accumulation, metrics):
+        """The step's samples with per-token advantages from GAE on the current value model's values (a
+        no-gradient walk of the step's trie), and the value model's walk loss (ppo_async_values.py)."""
+        with self._walker.step(self._critic.model, sequences, training=False) as step:
+            values = step.logprobs()
+        values = [v[s.positions.to(v.device)] for s, v in zip(samples, values, strict=True)]
+        a = self.args
+        reduce = (lambda t: self.accelerator.reduce(t, "sum")) if self.accelerator.num_processes > 1 else None
+        advantages, returns, value_metrics = sample_targets(
+            samples, values, gamma=a.gamma, lam=a.lam, whiten_advantages=a.whiten_advantages,
+            sum_over_processes=reduce,
+        )  # fmt: skip
+        for name, value in value_metrics.items():
+            metrics[name].append(value)
+        samples = [s._replace(advantage=adv) for s, adv in zip(samples, advantages, strict=True)]
+        loss = SampleValueLoss(samples, values, returns, normalisers, accumulation, a.cliprange_value)
+        return samples, loss
+
+    def _reduced_loss(self, results, samples) -> float:
+        """The step's value loss, over every rank (each rank's share is normalised per rank)."""
+        local = torch.tensor(
+            results.total(range(len(samples))), dtype=torch.float64, device=self.accelerator.device
+        )
+        return float(self.accelerator.reduce(local, reduction="sum")) / self.accelerator.num_processes
 
     def _within_staleness(self, samples: list) -> list:
         """The step's samples as they train: their staleness now (the policy version less each one's, over

@@ -96,7 +96,7 @@ class Critic:
     """
 
     def __init__(self, model: nn.Module, args, accelerator):
-        self.model = model.to(accelerator.device)
+        self.model = model.to(accelerator.device).train()  # (trained: the mode the Trainer gives the policy)
         self.args = args
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None

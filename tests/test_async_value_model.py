@@ -1,0 +1,96 @@
+"""AsyncTreePPOTrainer with a value model: the current critic's values at training time, GAE per sample in
+the trainer, the policy and the value model walked on one trie, against a dense computation written here
+(float32: per-sample forwards, GAE by an independent loop, whitening, TRL's coupled loss with per-token
+advantages, the squared error of the values)."""
+
+from __future__ import annotations
+
+import torch
+from test_async_trainer import EPS_HIGH, EPS_LOW, TEMPERATURE, make_config, plain_model, rollouts, walk_grads
+from test_ppo_values import reference_gae
+
+from trl_dta import AsyncTreePPOTrainer, value_model_from
+from trl_dta.compare import relative_error
+from trl_dta.testing.async_grpo import NoWeightTransfer, QueueWorker
+from trl_dta.testing.grpo import make_dataset, tiny_tokenizer
+
+
+def make_trainer(model_dir, out, value_model, samples=(), **overrides):
+    return AsyncTreePPOTrainer(
+        str(model_dir), args=make_config(out, **overrides), processing_class=tiny_tokenizer(),
+        train_dataset=make_dataset(2), rollout_worker=QueueWorker(samples),
+        weight_transfer=NoWeightTransfer(), value_model=value_model,
+    )  # fmt: skip
+
+
+def make_critic(model_dir):
+    critic = value_model_from(plain_model(model_dir))
+    with torch.no_grad():  # a head that is not zero: non-trivial values and advantages
+        critic.score.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(3))
+    return critic
+
+
+def dense_reference(policy, critic, micro_batches, accumulation):
+    """Policy and value losses of a step, dense, per sample; the advantages and returns by GAE (γ = λ = 1)."""
+    rows = [(s, torch.tensor([s.input_ids.tolist()]), torch.tensor(s.completion_mask[1:]).bool())
+            for mb in micro_batches for s in mb]  # fmt: skip
+    with torch.no_grad():
+        values = [critic(input_ids=ids).logits[0, :-1, 0][trained] for _, ids, trained in rows]
+    width = max(v.numel() for v in values)
+    padded, mask, rewards = (torch.zeros(len(rows), width, dtype=torch.float64) for _ in range(3))
+    for k, ((s, _, _), v) in enumerate(zip(rows, values, strict=True)):
+        padded[k, : v.numel()], mask[k, : v.numel()] = v.double(), 1
+        rewards[k, v.numel() - 1] = s.metrics["reward"]
+    advantages, returns = reference_gae(padded, rewards, mask, 1.0, 1.0)
+    on = mask.bool()
+    advantages = (advantages - advantages[on].mean()) / (advantages[on].std(unbiased=False) + 1e-8)
+    policy_loss, value_loss, k = 0.0, 0.0, 0
+    for mb in micro_batches:
+        tokens = sum(int(torch.tensor(s.completion_mask[1:]).sum()) for s in mb)
+        for s in mb:
+            _, ids, trained = rows[k]
+            n = int(trained.sum())
+            logits = policy(input_ids=ids).logits[0, :-1] / TEMPERATURE
+            lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0][trained]
+            old = torch.tensor(s.old_log_probs[1:])[trained]
+            adv = advantages[k, :n].float()
+            ratio = torch.exp(lp - old)
+            per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH) * adv)
+            policy_loss = policy_loss + per_token.sum() / tokens / accumulation
+            v = critic(input_ids=ids).logits[0, :-1, 0][trained]
+            value_loss = value_loss + (0.5 * (v - returns[k, :n].float()) ** 2).sum() / tokens / accumulation
+            k += 1
+    return policy_loss, value_loss
+
+
+def test_policy_and_value_gradients_equal_a_dense_step(model_dir, tmp_path):
+    trainer = make_trainer(model_dir, tmp_path, make_critic(model_dir))
+    critic = trainer._critic.model
+    samples = rollouts(9, trainer.model, groups=2, per_group=3, versions=(0, 1))
+    micro_batches = [samples[:3], samples[3:]]
+    critic.zero_grad(set_to_none=True)
+    grads, _, _ = walk_grads(trainer, micro_batches, accumulation=2)
+    value_grads = {n: p.grad.clone() for n, p in critic.named_parameters()}
+    critic.zero_grad(set_to_none=True)
+
+    policy = plain_model(model_dir)
+    reference_critic = make_critic(model_dir).eval()  # (its head's dropout off, as the trainer zeroes it)
+    policy_loss, value_loss = dense_reference(policy, reference_critic, micro_batches, 2)
+    (policy_loss + value_loss).backward()
+    assert relative_error(grads, {n: p.grad for n, p in policy.named_parameters()}) <= 1e-4
+    assert relative_error(value_grads, {n: p.grad for n, p in reference_critic.named_parameters()}) <= 1e-4
+    metrics = trainer._metrics["train"]
+    assert metrics["value/loss"] and metrics["value/explained_variance"] and metrics["value_tree/time_s"]
+
+
+def test_train_with_a_value_model_completes_and_saves_it(model_dir, tmp_path):
+    from transformers import AutoModelForTokenClassification
+
+    samples = rollouts(4, plain_model(model_dir), groups=6, per_group=3, versions=(0,))
+    trainer = make_trainer(model_dir, tmp_path, str(model_dir), samples, max_steps=2, max_staleness=5)
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "value/loss" in log]
+    assert len(logs) == 2 and all("value/grad_norm" in log for log in logs)
+    assert trainer._critic.model.score.weight.any()  # a zero head at the start, trained
+    trainer.save_model(str(tmp_path / "final"))
+    assert AutoModelForTokenClassification.from_pretrained(tmp_path / "final" / "value_model").num_labels == 1

@@ -1,0 +1,80 @@
+""":class:`~trl_dta.AsyncTreePPOTrainer`'s value model (``value_model=``): PPO with a critic on asynchronous
+rollouts.
+
+The rollout worker scores each sample (its reward travels in the sample's metrics) and stamps a group
+advantage on it; with a value model that advantage is not used. At each optimizer step, in the trainer:
+
+1. the *current* value model walks the step's trie without gradients (values at training time, not at
+   generation: a sample generated several versions ago is valued by today's critic);
+2. GAE per sample over its trained tokens (:func:`~trl_dta.train.ppo_values.gae`: the tokens the policy
+   produced, tool responses left out), its reward on its last trained token; advantages whitened over the
+   step's trained tokens of every rank;
+3. the policy's walk takes these per-token advantages (TRL's loss, or the decoupled one);
+4. the value model is walked on the same trie with the value loss (one implementation:
+   :class:`~trl_dta.train.ppo_values.ValueRowLoss`; its old values are the values of step 1, so the value clip
+   does not bind), normalised as the policy's loss (the micro-batch's trained tokens per rank, the
+   accumulation steps), and steps its own optimizer after the step's last micro-batch
+   (:class:`~trl_dta.train.ppo_value_model.ValueModelMixin`'s, as the synchronous trainer's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .ppo_async_loss import AsyncSample
+from .ppo_values import ValueRowLoss, value_targets
+
+
+def sample_targets(
+    samples: Sequence[AsyncSample],
+    values: Sequence[torch.Tensor],
+    *,
+    gamma: float,
+    lam: float,
+    whiten_advantages: bool,
+    sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
+    """Per sample, the advantages and returns of its trained tokens, by
+    :func:`~trl_dta.train.ppo_values.value_targets` on the samples as rows (``values[k]``: sample ``k``'s
+    values at its trained tokens; its reward on the last one); and the step's ``value/*`` metrics."""
+    sizes = [v.numel() for v in values]
+    device = values[0].device if values else torch.device("cpu")
+    old = torch.zeros(len(values), max(sizes, default=0), device=device)
+    mask = torch.zeros(old.shape, dtype=torch.long, device=device)
+    for k, v in enumerate(values):
+        old[k, : v.numel()], mask[k, : v.numel()] = v.float(), 1
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64, device=device)
+    fields, metrics = value_targets(mask, rewards, old, gamma=gamma, lam=lam,
+                                    whiten_advantages=whiten_advantages,
+                                    sum_over_processes=sum_over_processes)  # fmt: skip
+    advantages, returns = fields["advantages"], fields["returns"]
+    return (
+        [advantages[k, :n] for k, n in enumerate(sizes)],
+        [returns[k, :n] for k, n in enumerate(sizes)],
+        metrics,
+    )
+
+
+class SampleValueLoss:
+    """The value model's walk loss for a step's samples (``(k, values, _) -> scalar``): sample ``k``'s value
+    loss at its trained tokens (:class:`~trl_dta.train.ppo_values.ValueRowLoss` on one row), over its
+    micro-batch's normaliser and the accumulation steps."""
+
+    def __init__(self, samples, old_values, returns, normalisers, accumulation, cliprange_value):
+        self.samples = samples
+        self.rows = [
+            ValueRowLoss(
+                torch.ones(1, v.numel(), device=v.device),
+                v[None],
+                r[None],
+                normalisers[s.batch] * accumulation,
+                cliprange_value,
+            )  # fmt: skip
+            for s, v, r in zip(samples, old_values, returns, strict=True)
+        ]
+
+    def __call__(self, k: int, values: torch.Tensor, _=None) -> torch.Tensor:
+        s = self.samples[k]
+        return self.rows[k](0, values[s.positions.to(values.device)])
