@@ -92,8 +92,9 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
 
     Args: those of ``AsyncGRPOTrainer`` (``model`` is a model id or directory, as there; ``rollout_worker``
     and ``weight_transfer`` are TRL's protocols), and ``value_model`` (keyword): PPO with a value model, as
-    :class:`~trl_dta.TreePPOTrainer`'s, its values taken at training time (:mod:`trl_dta.train.ppo_async_values`). ``args`` should be an :class:`~trl_dta.AsyncTreePPOConfig`
-    (a plain ``AsyncGRPOConfig`` gets the tree options' defaults; ``None`` makes an ``AsyncTreePPOConfig``).
+    :class:`~trl_dta.TreePPOTrainer`'s, its values taken at training time
+    (:mod:`trl_dta.train.ppo_async_values`). ``args`` should be an :class:`~trl_dta.AsyncTreePPOConfig` (a
+    plain ``AsyncGRPOConfig`` gets the tree options' defaults; ``None`` makes an ``AsyncTreePPOConfig``).
     One process or several (DDP; see the module docstring).
     """
 
