@@ -25,6 +25,16 @@ from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.walk.costs import CallCost, device_costs
 
 
+def measured_model(hidden: int, layers: int, device) -> tuple[LlamaConfig, LlamaForCausalLM]:
+    """The model whose calls are timed (also ``cost_fit.py``'s): a Llama of ``hidden`` width (SmolLM2-135M's
+    by default), GQA 9/3 heads, sdpa, fp32, seed 0, in train mode."""
+    config = LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
+                         num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=layers,
+                         attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    return config, LlamaForCausalLM(config).to(device).train()
+
+
 def timed_call(executor, past: int, tokens: int, repeats: int, device) -> float:
     """Median seconds of the walk of one sequence: ``past`` tokens pushed (timed apart), ``tokens`` scored."""
     gen = torch.Generator().manual_seed(past * 7919 + tokens)
@@ -55,11 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    config = LlamaConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                         num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=args.layers,
-                         attn_implementation="sdpa")  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device).train()
+    config, model = measured_model(args.hidden, args.layers, device)
     # FLOPs per token (matmuls) and per attention pair, whole model, forward + backward: the cost model's
     # per-token and per-pair seconds times the rate they were computed at
     reference = CallCost.for_model(config, device.type)

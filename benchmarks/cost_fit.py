@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from call_costs import measured_model
 
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.walk.cost_model import CostModel
@@ -86,11 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    config = LlamaConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
-                         num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=args.layers,
-                         attn_implementation="sdpa")  # fmt: skip
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device).train()
+    config, model = measured_model(args.hidden, args.layers, device)
     offline = offline_costs(args.offline, config, device.type)
     cpu, cuda = CallCost.for_model(config, "cpu"), CallCost.for_model(config, "cuda")
     wrong = replace(cpu, fixed=10 * cpu.fixed, per_token=10 * cpu.per_token, per_pair=10 * cpu.per_pair)
