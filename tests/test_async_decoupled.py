@@ -183,3 +183,27 @@ def test_a_trained_sample_keeps_the_version_the_queue_gave_it(model_dir, tmp_pat
     # samples of version 0, trained at versions 1 and 2 (TRL's cold weight sync makes the first version 1)
     assert [log["staleness/train_max"] for log in logs] == [1.0, 2.0]
     assert trainer.rollout_worker.versions[:2] == [1, 2]
+
+
+def test_a_step_on_the_dense_path_equals_the_walk(model_dir, tmp_path):
+    """``tree_dense_fallback="always"``: each micro-batch is one padded forward (the dense path the cost
+    model prices) with the same loss: the same parameter updates as the walk's, and ``tree/path`` says so."""
+    reference = plain_model(model_dir)
+    samples = rollouts(8, reference, groups=6, per_group=3, versions=(0, 1), noise=1.0)
+    shape = dict(
+        per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=2, learning_rate=0.05
+    )
+    updates = []
+    for mode in ("never", "always"):
+        options = dict(use_decoupled_loss=True, behav_imp_weight_cap=CAP, max_staleness=10)
+        trainer = make_trainer(
+            model_dir, tmp_path / mode, samples, tree_dense_fallback=mode, **shape, **options
+        )
+        trainer.train()
+        updates.append(
+            {n: p.detach() - reference.get_parameter(n) for n, p in trainer.model.named_parameters()}
+        )
+        paths = [log["tree/path"] for log in trainer.state.log_history if "tree/path" in log]
+        assert paths == ([1.0, 1.0] if mode == "always" else [0.0, 0.0])
+    assert relative_error(updates[1], updates[0]) <= 1e-4
+    assert max(u.abs().max() for u in updates[0].values()) > 1e-4  # it trained

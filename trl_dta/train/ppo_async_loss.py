@@ -52,6 +52,7 @@ class AsyncSample(NamedTuple):
     advantage: float
     version: int = -1  # the policy version that generated it (-1: unknown)
     reward: float = 0.0  # its reward (the rollout worker's), for a value model's GAE
+    row: int = 0  # its row in the collated micro-batch
 
 
 def tokens_per_rank(inputs: dict, world_size: int = 1) -> float:
@@ -84,6 +85,7 @@ def micro_batch_samples(inputs: dict, batch: int = 0) -> list[AsyncSample]:
                 advantage=float(advantages[i]),
                 version=int(versions[i]),
                 reward=float(rewards[i]),
+                row=i,
             )
         )
     return samples
@@ -200,3 +202,15 @@ def importance_sums(logps: torch.Tensor, behaviour: torch.Tensor, decoupled: Dec
 def _on(advantage, like: torch.Tensor):
     """A sample's advantage beside ``like``: a float as it is; per-token advantages on its device, dtype."""
     return advantage if isinstance(advantage, float) else advantage.to(like)
+
+
+def padded_logps(model, inputs: dict, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's dense path for a collated micro-batch: one forward of its right-padded rows (``input_ids`` with
+    an attention mask from ``lengths``), ``(N, L - 1)`` log-probs of each next token at ``temperature``
+    (with their graph) and entropies (detached)."""
+    ids = inputs["input_ids"]
+    mask = torch.arange(ids.shape[1], device=ids.device)[None, :] < inputs["lengths"].to(ids.device)[:, None]
+    logits = model(input_ids=ids, attention_mask=mask.long()).logits[:, :-1].float() / temperature
+    log_probs = torch.log_softmax(logits, dim=-1)
+    entropies = -(log_probs.detach().exp() * log_probs.detach()).sum(-1)
+    return log_probs.gather(-1, ids[:, 1:, None])[..., 0], entropies

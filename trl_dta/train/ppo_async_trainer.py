@@ -39,13 +39,11 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from math import nan
 
 import torch
 from torch.utils.data import DataLoader
 from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
 from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset, _EmptyIterableDataset
-from trl.trainer.utils import nanmax, nanmin
 
 from .ppo_async_config import AsyncTreePPOConfig, check_async_arguments
 from .ppo_async_data import SampleBatcher, SampleCollator, VersionedQueue
@@ -53,24 +51,16 @@ from .ppo_async_loss import (
     ClippedSurrogate,
     Decoupled,
     dense_loss,
-    importance_sums,
     micro_batch_samples,
-    surrogate_sums,
+    padded_logps,
     tokens_per_rank,
 )
+from .ppo_async_metrics import MicroBatchWalk, micro_batch_metrics
 from .ppo_async_values import SampleValueLoss, sample_targets
 from .ppo_value_model import ValueModelMixin
 from .refusals import check_arguments, rollout_length
 from .step import StepSequence, StepWalker
 from .tree_args import PAPER
-
-
-class MicroBatchWalk:
-    """One micro-batch's share of a step's walk: its samples, their log-probs and entropies at their trained
-    tokens (detached) and the sum of their losses."""
-
-    def __init__(self, samples, logps, entropies, loss: float):
-        self.samples, self.logps, self.entropies, self.loss = samples, logps, entropies, loss
 
 
 class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
@@ -137,6 +127,7 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         self._init_value_model(value_model)  # (PPO with a value model: ppo_async_values.py)
         self._step_batches: list[dict] = []  # the current optimizer step's micro-batches (get_batch_samples)
         self._tree_position = 0  # micro-batches of the current step served so far
+        self._tree_dense = False  # the current step takes the dense path (tree_dense_fallback)
         self._tree_pending: dict[int, MicroBatchWalk] = {}
 
     def _use_walk_attention(self) -> None:
@@ -185,6 +176,11 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
             raise ValueError("AsyncTreePPOTrainer does not support returning outputs")
         training = self.model.training and torch.is_grad_enabled()
         start = time.time()
+        if training and self._takes_dense_path(model, inputs):  # (tree_dense_fallback: the same gradient)
+            walked, loss = self._dense_micro_batch(model, inputs)
+            self._last_forward_time_s = time.time() - start
+            self._log_micro_batch(inputs, walked)
+            return loss  # (the Trainer backpropagates it)
         walked = self._walked_in_step(model, inputs) if training else self._walk(model, [inputs], False)[0]
         self._last_forward_time_s = time.time() - start
         self._log_micro_batch(inputs, walked)
@@ -203,6 +199,43 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
             model, inputs, self.epsilon_low, self.epsilon_high, self.temperature,
             self.current_gradient_accumulation_steps, self.accelerator.num_processes, self._decoupled,
         )  # fmt: skip
+
+    def _takes_dense_path(self, model, inputs) -> bool:
+        """Whether this micro-batch's step takes the dense path (``tree_dense_fallback``: one padded forward
+        per micro-batch, :func:`~trl_dta.train.ppo_async_loss.padded_logps`, the same loss and gradient),
+        decided at the step's first micro-batch by the step seam's prediction. Never with a value model or
+        ``check_staleness_at_training`` (both work on the step's walk)."""
+        k, batches = self._tree_position, self._step_batches
+        if self._critic is not None or getattr(self.args, "check_staleness_at_training", False):
+            return False
+        if k >= len(batches) or not _same_batch(batches[k], inputs):
+            return False
+        if k == 0:
+            group = [inputs, *(self._prepare_inputs(b) for b in batches[1:])]
+            samples = [s for b, x in enumerate(group) for s in micro_batch_samples(x, b)]
+            seqs = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
+            self._tree_dense = self._walker.prefer_dense(model, seqs, metrics=self._metrics["train"])
+        if self._tree_dense:
+            self._tree_position += 1
+        return self._tree_dense
+
+    def _dense_micro_batch(self, model, inputs) -> tuple[MicroBatchWalk, torch.Tensor]:
+        """The micro-batch's loss by the dense path (with its graph) and its share for the metrics."""
+        samples = micro_batch_samples(inputs)
+        normaliser = [tokens_per_rank(inputs, self.accelerator.num_processes)]
+        loss_fn = ClippedSurrogate(samples, normaliser, self.epsilon_low, self.epsilon_high,
+                                   self.current_gradient_accumulation_steps, self._decoupled)  # fmt: skip
+        logps, entropies = padded_logps(model, inputs, self.temperature)
+        walked, total = MicroBatchWalk([], [], [], 0.0), logps.sum() * 0.0  # (a zero with the graph)
+        for k, s in enumerate(samples):
+            lp, ent = logps[s.row, s.score_from :], entropies[s.row, s.score_from :]
+            total = total + loss_fn(k, lp)
+            positions = s.positions.to(lp.device)
+            walked.samples.append(s)
+            walked.logps.append(lp.detach()[positions])
+            walked.entropies.append(ent[positions])
+        walked.loss = float(total)
+        return walked, total
 
     def _walked_in_step(self, model, inputs) -> MicroBatchWalk:
         """This micro-batch's share of its optimizer step's walk: at the step's first micro-batch, walk
@@ -313,37 +346,13 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         return [s for s in samples if id(s) not in dropped_ids]
 
     def _log_micro_batch(self, inputs, walked: MicroBatchWalk) -> None:
-        """TRL's per-micro-batch metrics (``compute_loss``'s, logged under "train" as TRL's are) and per-step
-        accounting, from the walk's values."""
-        metrics = self._metrics["train"]
-        device = inputs["input_ids"].device
-        per_sample = [
-            surrogate_sums(lp, s.old_logps, s.advantage, ent, self.epsilon_low, self.epsilon_high).to(device)
-            for s, lp, ent in zip(walked.samples, walked.logps, walked.entropies, strict=True)
-        ]  # (each row: ratio, kl, entropy, low-, high-, region-clipped, count sums)
-        per_sample = torch.stack(per_sample) if per_sample else torch.zeros(0, 7, device=device).double()
-        sums = self.accelerator.reduce(per_sample.sum(0), reduction="sum")
-        count = float(sums[6])
-        names = (
-            "ratio",
-            "kl",
-            "entropy",
-            "clip_ratio/low_mean",
-            "clip_ratio/high_mean",
-            "clip_ratio/region_mean",
-        )
-        for name, value in zip(names, sums[:6].tolist(), strict=False):
-            metrics[name].append(value / count if count else float("nan"))
-        extremes = torch.full((2,), nan, dtype=torch.float64, device=device)  # (a rank may have no sample)
-        if len(per_sample):  # per sample, its share of low-clipped (high-clipped) tokens; then over ranks
-            extremes = torch.stack([
-                (per_sample[:, 3] / per_sample[:, 6]).min(), (per_sample[:, 4] / per_sample[:, 6]).max()
-            ])  # fmt: skip
-        extremes = self.accelerator.gather(extremes).reshape(-1, 2)  # (ranks, 2)
-        metrics["clip_ratio/low_min"].append(nanmin(extremes[:, 0]).item())
-        metrics["clip_ratio/high_max"].append(nanmax(extremes[:, 1]).item())
-        if self._decoupled is not None:  # the walk's log-probs are the proximal policy's (ppo_async_loss.py)
-            self._log_importance_weights(walked, count, device)
+        """TRL's per-micro-batch metrics (``compute_loss``'s, logged under "train" as TRL's are; the decoupled
+        objective's too) from the walk's values (:mod:`~trl_dta.train.ppo_async_metrics`), and TRL's
+        per-step accounting."""
+        values = micro_batch_metrics(walked, self.accelerator, self.epsilon_low, self.epsilon_high,
+                                     self._decoupled, inputs["input_ids"].device)  # fmt: skip
+        for name, value in values.items():
+            self._metrics["train"][name].append(value)
         trained, forward, samples = inputs["counts"][0].tolist()  # (the micro-batch's, over all ranks)
         mean_seq_len = forward / samples
         self._step_forward_tokens += forward
@@ -351,22 +360,6 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         self._step_seq_len_weighted += mean_seq_len * forward
         self._step_samples += samples
         self._step_forward_s += self._last_forward_time_s
-
-    def _log_importance_weights(self, walked: MicroBatchWalk, count: float, device) -> None:
-        """The decoupled objective's importance weights π_prox / π_behav over the micro-batch's trained tokens
-        (every rank): their mean and largest value before capping, and the share over the cap. (The clip
-        fraction against the proximal policy is 0 by construction here, one update per walked step: not
-        logged; TRL's ``clip_ratio/*`` still measure the ratio against the behaviour policy.)"""
-        rows = [importance_sums(lp, s.old_logps, self._decoupled).to(device)
-                for s, lp in zip(walked.samples, walked.logps, strict=True)]  # fmt: skip
-        sums = torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64, device=device)
-        total = self.accelerator.reduce(sums[:, :2].sum(0), reduction="sum")
-        local = sums[:, 2].max() if rows else torch.tensor(-torch.inf, dtype=torch.float64, device=device)
-        largest = self.accelerator.gather(local.reshape(1)).max()  # (one value per rank, -inf if none)
-        metrics = self._metrics["train"]
-        metrics["decoupled/imp_weight_mean"].append(float(total[0]) / count if count else nan)
-        metrics["decoupled/imp_weight_max"].append(float(largest) if count else nan)
-        metrics["decoupled/capped_ratio"].append(float(total[1]) / count if count else nan)
 
 
 @contextmanager
