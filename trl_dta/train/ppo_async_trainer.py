@@ -27,6 +27,10 @@ ratios, ``perf/*``, ``batch/*``, ``sample/*``). What changes:
   of different policy versions share prefixes in the trie and keep their own importance weights. Each
   ``compute_loss`` then logs TRL's metrics of its micro-batch from the walk's values and returns its loss
   value (gradients are in ``.grad``).
+* **Options beyond TRL's** (docs/async.md): AReaL's decoupled objective (``use_decoupled_loss``,
+  :mod:`~trl_dta.train.ppo_async_loss`), the staleness bound checked again when a sample trains
+  (``check_staleness_at_training``), a value model (``value_model=``, :mod:`~trl_dta.train.ppo_async_values`)
+  and the dense path on steps the cost model predicts slower to walk (``tree_dense_fallback``).
 
 Tested: one process, and two DDP processes (gloo, CPU). FSDP2 goes through the walk's FSDP2 flow
 (:mod:`trl_dta.train.multi_process`) but is not tested with this trainer. Refused, with a clear error: a MoE
