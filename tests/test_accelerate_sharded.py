@@ -20,7 +20,6 @@ exceeds), ranks walking different tries (re-partitioned rollouts). Checked per v
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -28,6 +27,7 @@ import pytest
 import torch
 
 from trl_dta.compare import relative_error
+from trl_dta.testing.torchrun import run_workers
 
 WORKER = Path(__file__).with_name("accelerate_worker.py")
 TOL = 1e-4
@@ -55,8 +55,7 @@ def launch(out: Path, model_dir: str, mode: str, variants: list[str]) -> dict:
             "2",
             str(WORKER),
         ]
-    result = subprocess.run(cmd + [str(out), model_dir, mode, *variants], env=env, capture_output=True,
-                            text=True, timeout=900, cwd=out)  # fmt: skip
+    result = run_workers(cmd + [str(out), model_dir, mode, *variants], env=env, timeout=900, cwd=out)
     assert result.returncode == 0, result.stderr[-4000:]
     return {v: torch.load(out / f"{mode}-{v}.pt", weights_only=False) for v in variants}
 

@@ -21,7 +21,6 @@ putting prepared samples on a queue, ``trl_dta.testing.async_grpo``), weight syn
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from trl_dta.testing.async_grpo import (
     trl_micro_batch,
 )
 from trl_dta.testing.grpo import make_dataset, tiny_model, tiny_tokenizer
+from trl_dta.testing.torchrun import run_workers
 from trl_dta.train.ppo_async_data import SampleCollator
 
 EPS_LOW, EPS_HIGH, TEMPERATURE = 0.2, 0.28, 0.9
@@ -323,7 +323,7 @@ def test_two_processes_equal_dense_sgd(model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(dist.RANKS),
            str(worker), str(tmp_path), str(model_dir)]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    result = run_workers(cmd, env=env, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(dist.RANKS)]
 

@@ -13,6 +13,7 @@ import torch
 from conftest import make_model, max_rel_diff
 
 from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError
+from trl_dta.testing.torchrun import run_workers
 from trl_dta.walk import deepspeed as zero
 
 SEQS = [[1, 5, 9, 4, 7], [1, 5, 9, 8], [1, 5, 2, 2, 6, 3]]
@@ -166,7 +167,6 @@ def test_deepspeed_executor_two_processes(tmp_path):
     (tests/deepspeed_worker.py)."""
     import json
     import os
-    import subprocess
     import sys
     from pathlib import Path
 
@@ -184,7 +184,7 @@ def test_deepspeed_executor_two_processes(tmp_path):
     worker = Path(__file__).with_name("deepspeed_worker.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(worker), str(out), *cases]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = run_workers(cmd, env=env, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     got = json.loads(out.read_text())
     assert got["world"] == 2

@@ -6,13 +6,14 @@ Ranks get the DFS partition of the global batch, with unequal row counts (one pr
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import max_rel_diff
+
+from trl_dta.testing.torchrun import run_workers
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 TOL = 1e-4
@@ -27,8 +28,7 @@ def run(out, model_dir, loss_type, trainer, procs, accumulation=1, value_model=F
         # --standalone: a free port per launch (a fixed one can still be held by the previous test's run)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
                str(WORKER)]  # fmt: skip
-    result = subprocess.run(cmd + [str(out), model_dir, loss_type, trainer], env=env, capture_output=True,
-                            text=True, timeout=300, cwd=out)  # fmt: skip
+    result = run_workers(cmd + [str(out), model_dir, loss_type, trainer], env=env, timeout=300, cwd=out)
     assert result.returncode == 0, result.stderr[-4000:]
     return [torch.load(out / f"{trainer}{rank}.pt") for rank in range(procs)]
 

@@ -7,7 +7,6 @@ an FSDP2-sharded model against stock SFTTrainer unsharded."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from trl_dta.compare import relative_error
+from trl_dta.testing.torchrun import run_workers
 
 WORKER = Path(__file__).with_name("sft_dist_worker.py")
 TOL = 1e-4
@@ -26,8 +26,7 @@ def run(out, model_dir, trainer, procs, mode="ddp"):
     if procs > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
                str(WORKER)]  # fmt: skip
-    result = subprocess.run(cmd + [str(out), model_dir, trainer, mode], env=env, capture_output=True,
-                            text=True, timeout=600, cwd=out)  # fmt: skip
+    result = run_workers(cmd + [str(out), model_dir, trainer, mode], env=env, timeout=600, cwd=out)
     assert result.returncode == 0, result.stderr[-4000:]
     name = trainer if mode == "ddp" else f"{trainer}-{mode}"
     return [torch.load(out / f"{name}{rank}.pt", weights_only=False) for rank in range(procs)]
@@ -78,7 +77,7 @@ def test_sharded_model_equals_stock(tmp_path, model_dir, variant):
     out = tmp_path / "grads.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(Path(__file__).with_name("sft_fsdp_worker.py")), str(out), model_dir, variant]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = run_workers(cmd, env=env, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     got = torch.load(out)
     assert got["sharded_parameters"] > 0  # the model really was sharded

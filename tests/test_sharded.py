@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -22,6 +21,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from trl_dta.compare import relative_error
+from trl_dta.testing.torchrun import run_workers
 
 HERE = Path(__file__).parent
 FP32 = 1e-5  # the bound for fp32 parity, per tensor
@@ -34,7 +34,7 @@ def torchrun(procs: int, out: Path, cases: list[str]) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
            str(HERE / "sharded_worker.py"), str(out), *cases]  # fmt: skip
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out.parent)
+    result = run_workers(cmd, env=env, timeout=600, cwd=out.parent)
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -112,7 +112,7 @@ def test_trainer_on_a_sharded_model_equals_stock_trl(tmp_path, model_dir, varian
     out = tmp_path / "grads.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(HERE / "fsdp_trainer_worker.py"), str(out), model_dir, variant]
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    result = run_workers(cmd, env=env, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     got = torch.load(out)
     assert all(n > 0 for n in got["sharded_parameters"])  # the policy (and reference) really were sharded
