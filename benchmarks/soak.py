@@ -125,6 +125,7 @@ def run_trainer(args, sampler: Sampler) -> dict:
         args.out / "soak_run", config_cls=TreePPOConfig, max_steps=args.steps, per_device_train_batch_size=8,
         num_generations=4, num_iterations=1, max_completion_length=160, logging_steps=10, save_strategy="no",
         tree_block_size=64, tree_batch_tokens=96,
+        tree_dense_fallback="never", tree_cost_fit="off",  # (the soak measures the walk: walked, one plan)
     )  # fmt: skip
     trainer = make_trainer(tree_cls, config, num_prompts=16, callbacks=[Sample()])
 
