@@ -1,24 +1,38 @@
-"""One rank of a two-process AsyncTreePPOTrainer run (torchrun, gloo, CPU), launched by
-tests/test_async_trainer.py (test_two_processes_equal_dense_sgd).
+"""One rank of a two-process AsyncTreePPOTrainer run (torchrun, gloo, CPU), launched by :func:`launch` for
+tests/test_async_trainer.py (TRL's coupled objective), tests/test_async_decoupled.py (the decoupled one) and
+tests/test_async_value_model.py (the decoupled one with a value model).
 
-Usage: torchrun --nproc_per_node 2 tests/async_dist_worker.py OUT_DIR MODEL_DIR
-Trains STEPS optimizer steps of SGD on the rollouts of :func:`distributed_rollouts` (fed by a queue worker
-on the main process, weight sync a no-op) and saves this rank's parameters to OUT_DIR/rank{RANK}.pt.
+Usage: torchrun --nproc_per_node 2 tests/async_dist_worker.py OUT_DIR MODEL_DIR [MODE]
+MODE (:data:`MODES`): ``coupled`` (the default), ``decoupled`` or ``decoupled-value``. Trains STEPS
+optimizer steps of SGD on the rollouts of :func:`distributed_rollouts` (fed by a queue worker on the main
+process, weight sync a no-op) and saves this rank's parameters (and its value model's) to
+OUT_DIR/rank{RANK}.pt. :func:`make_trainer` builds the same run for any number of processes, so a test can
+train the one-process run of the same micro-batches in its own process.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from trl_dta import AsyncTreePPOConfig, AsyncTreePPOTrainer
+from trl_dta import AsyncTreePPOConfig, AsyncTreePPOTrainer, value_model_from
 from trl_dta.testing.async_grpo import NoWeightTransfer, QueueWorker, synthetic_rollouts
 from trl_dta.testing.grpo import make_dataset, tiny_tokenizer
+from trl_dta.testing.torchrun import run_workers
 
 TEMPERATURE, EPSILON, EPSILON_HIGH = 0.9, 0.2, 0.28
 STEPS, PER_RANK, ACCUMULATION, LR, RANKS = 2, 3, 2, 0.05, 2
+CAP = 1.3  # the decoupled weight's cap: behaviour log-probs 0.4 off the policy's put some tokens over it
+DECOUPLED = dict(use_decoupled_loss=True, behav_imp_weight_cap=CAP)
+MODES = {"coupled": {}, "decoupled": DECOUPLED, "decoupled-value": DECOUPLED}
+
+
+def plain_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
 
 
 def distributed_rollouts(model):
@@ -28,23 +42,61 @@ def distributed_rollouts(model):
     return synthetic_rollouts(21, model, TEMPERATURE, groups=10, per_group=3, versions=(0, 1), prompt=prompts)
 
 
-def main(out_dir: str, model_dir: str) -> None:
-    reference = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager")
+def make_critic(model_dir):
+    """The policy's weights with a value head drawn from a fixed seed (non-trivial values from the start)."""
+    critic = value_model_from(plain_model(model_dir))
+    with torch.no_grad():
+        critic.score.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(3))
+    return critic
+
+
+def make_trainer(out_dir: str, model_dir: str, mode: str, processes: int) -> AsyncTreePPOTrainer:
+    """The run of ``mode`` on ``processes`` processes: every micro-batch holds ``PER_RANK * RANKS`` samples
+    whatever the process count, so runs on one and on two processes train the same micro-batches."""
     args = AsyncTreePPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=PER_RANK, gradient_accumulation_steps=ACCUMULATION,
-        max_steps=STEPS, bf16=False, use_cpu=True, optim="sgd", learning_rate=LR, max_grad_norm=0.0,
-        report_to=[], save_strategy="no", logging_steps=1, epsilon=EPSILON, epsilon_high=EPSILON_HIGH,
-        temperature=TEMPERATURE, max_staleness=3,
+        output_dir=out_dir, per_device_train_batch_size=PER_RANK * RANKS // processes,
+        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, bf16=False, use_cpu=True, optim="sgd",
+        learning_rate=LR, max_grad_norm=0.0, report_to=[], save_strategy="no", logging_steps=1,
+        epsilon=EPSILON, epsilon_high=EPSILON_HIGH, temperature=TEMPERATURE, max_staleness=3, **MODES[mode],
     )  # fmt: skip
-    trainer = AsyncTreePPOTrainer(
+    return AsyncTreePPOTrainer(
         model_dir, args=args, processing_class=tiny_tokenizer(), train_dataset=make_dataset(2),
-        rollout_worker=QueueWorker(distributed_rollouts(reference)), weight_transfer=NoWeightTransfer(),
+        rollout_worker=QueueWorker(distributed_rollouts(plain_model(model_dir))),
+        weight_transfer=NoWeightTransfer(),
+        value_model=make_critic(model_dir) if mode.endswith("-value") else None,
     )  # fmt: skip
+
+
+def trained_state(trainer: AsyncTreePPOTrainer) -> dict:
+    """The policy's parameters, the value model's (if any) and the log history, on the CPU."""
+
+    def state(model) -> dict:
+        return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+    critic = trainer._critic.model if trainer._critic is not None else None
+    return {
+        "params": state(trainer.model),
+        "critic": {} if critic is None else state(critic),
+        "logs": trainer.state.log_history,
+    }
+
+
+def launch(out_dir: Path, model_dir, mode: str = "coupled") -> list[dict]:
+    """Run this worker on RANKS processes (torchrun, gloo); each rank's :func:`trained_state`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
+           str(Path(__file__)), str(out_dir), str(model_dir), mode]  # fmt: skip
+    result = run_workers(cmd, env=env, timeout=300, cwd=out_dir)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [torch.load(out_dir / f"rank{r}.pt") for r in range(RANKS)]
+
+
+def main(out_dir: str, model_dir: str, mode: str = "coupled") -> None:
+    trainer = make_trainer(out_dir, model_dir, mode, RANKS)
     trainer.train()
-    rank = trainer.accelerator.process_index
-    params = {n: p.detach().cpu().clone() for n, p in trainer.model.named_parameters()}
-    torch.save({"params": params, "logs": trainer.state.log_history}, f"{out_dir}/rank{rank}.pt")
+    torch.save(trained_state(trainer), f"{out_dir}/rank{trainer.accelerator.process_index}.pt")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])

@@ -142,6 +142,81 @@ def test_decoupled_train_steps_equal_dense_sgd_and_log_the_weights(model_dir, tm
     assert all(log["decoupled/imp_weight_max"] > CAP for log in step_logs)
 
 
+def test_decoupled_train_steps_with_a_lora_policy_equal_dense_sgd(model_dir, tmp_path):
+    """The same with a LoRA policy (random A and B on q/v/down projections, the base frozen): the adapter's
+    updates equal dense SGD on a PEFT model holding the trainer's initial adapter, fp32."""
+    from peft import get_peft_model
+    from test_async_trainer import lora_config
+
+    steps, per_batch, accumulation, lr = 2, 3, 2, 0.05
+    shape = dict(per_device_train_batch_size=per_batch, gradient_accumulation_steps=accumulation)
+    options = dict(use_decoupled_loss=True, behav_imp_weight_cap=CAP, max_staleness=10)
+    queue = []  # (the trainer's queue worker starts at train(): the samples are put in before that)
+    trainer = make_trainer(model_dir, tmp_path, queue, peft_config=lora_config(), max_steps=steps,
+                           learning_rate=lr, **shape, **options)  # fmt: skip
+    reference = get_peft_model(plain_model(model_dir), lora_config())
+    reference.load_state_dict(trainer.model.state_dict())  # (the trainer's random initial adapter)
+    # behaviour log-probs 1.0 off the adapted policy's, versions mixed
+    samples = rollouts(23, reference, groups=6, per_group=3, versions=(0, 1, 2, 3), noise=1.0)
+    trainer.rollout_worker.samples = samples
+    adapter = {n: p.detach().clone() for n, p in reference.named_parameters() if p.requires_grad}
+    assert len(adapter) == 3 * 2 * 2  # A and B of 3 modules in 2 layers: only the adapter trains
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trainer.train()
+    for step in range(steps):
+        chunk = samples[step * accumulation * per_batch : (step + 1) * accumulation * per_batch]
+        micro_batches = [chunk[i : i + per_batch] for i in range(0, len(chunk), per_batch)]
+        reference.zero_grad(set_to_none=True)
+        loss, over = decoupled_reference(reference, micro_batches, accumulation, CAP, "mask")
+        loss.backward()
+        assert over > 0  # tokens over the cap in every step: the mask is exercised
+        with torch.no_grad():
+            for n in adapter:
+                reference.get_parameter(n).sub_(lr * reference.get_parameter(n).grad)
+    trained = dict(trainer.model.named_parameters())
+    update = {n: trained[n].detach() - adapter[n] for n in adapter}
+    expected = {n: reference.get_parameter(n).detach() - adapter[n] for n in adapter}
+    assert relative_error(update, expected) <= 1e-4
+    assert max(u.abs().max() for u in update.values()) > 1e-4  # it trained
+    # the base does not train; TRL's full-weight sync (taken with no LoRA-enabled server: here) merges the
+    # adapter into it and unmerges it, which moves it by float rounding only
+    assert frozen and relative_error({n: trained[n].detach() for n in frozen}, frozen) <= 1e-6
+    step_logs = [log for log in trainer.state.log_history if "decoupled/imp_weight_mean" in log]
+    assert len(step_logs) == steps and all(0 < log["decoupled/capped_ratio"] < 1 for log in step_logs)
+
+
+def test_decoupled_two_processes_equal_dense_sgd(model_dir, tmp_path):
+    """Two DDP processes (torchrun, gloo) with the decoupled objective: each micro-batch split by the
+    lexicographic partition, each rank walking its share; both ranks' parameters equal one process's dense
+    SGD on the whole micro-batches (the objective written out above, its proximal pass at each step's
+    start)."""
+    import async_dist_worker as dist
+
+    ranks = dist.launch(tmp_path, model_dir, "decoupled")
+    reference = plain_model(model_dir)
+    before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    samples = dist.distributed_rollouts(reference)
+    per_batch = dist.PER_RANK * dist.RANKS  # a micro-batch: every rank's share
+    capped = 0
+    for step in range(dist.STEPS):
+        chunk = samples[step * per_batch * dist.ACCUMULATION : (step + 1) * per_batch * dist.ACCUMULATION]
+        micro_batches = [chunk[i : i + per_batch] for i in range(0, len(chunk), per_batch)]
+        reference.zero_grad(set_to_none=True)
+        loss, over = decoupled_reference(reference, micro_batches, dist.ACCUMULATION, dist.CAP, "mask")
+        loss.backward()
+        capped += over
+        with torch.no_grad():
+            for p in reference.parameters():
+                p -= dist.LR * p.grad
+    assert capped > 0  # some tokens over the cap: the mask is exercised across ranks
+    expected = {n: p.detach() - before[n] for n, p in reference.named_parameters()}
+    for rank in ranks:
+        update = {n: rank["params"][n] - before[n] for n in before}
+        assert relative_error(update, expected) <= 1e-4
+    step_logs = [log for log in ranks[0]["logs"] if "decoupled/imp_weight_mean" in log]
+    assert len(step_logs) == dist.STEPS and all(0 < log["decoupled/capped_ratio"] < 1 for log in step_logs)
+
+
 def test_bad_decoupled_settings_are_refused(model_dir, tmp_path):
     from test_async_trainer import make_config
 

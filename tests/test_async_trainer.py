@@ -20,10 +20,6 @@ putting prepared samples on a queue, ``trl_dta.testing.async_grpo``), weight syn
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
 import async_dist_worker as dist
 import pytest
 import torch
@@ -49,7 +45,6 @@ from trl_dta.testing.async_grpo import (
     trl_micro_batch,
 )
 from trl_dta.testing.grpo import make_dataset, tiny_model, tiny_tokenizer
-from trl_dta.testing.torchrun import run_workers
 from trl_dta.train.ppo_async_data import SampleCollator
 
 EPS_LOW, EPS_HIGH, TEMPERATURE = 0.2, 0.28, 0.9
@@ -319,13 +314,7 @@ def test_collator_splits_by_lexicographic_partition(model_dir):
 def test_two_processes_equal_dense_sgd(model_dir, tmp_path):
     """Two DDP processes (torchrun, gloo): each micro-batch split by the lexicographic partition, each rank
     walking its share of the step; the parameters equal one process's dense SGD on the same micro-batches."""
-    worker = Path(__file__).with_name("async_dist_worker.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(dist.RANKS),
-           str(worker), str(tmp_path), str(model_dir)]  # fmt: skip
-    result = run_workers(cmd, env=env, timeout=300, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(dist.RANKS)]
+    ranks = dist.launch(tmp_path, model_dir)
 
     reference = plain_model(model_dir)
     before = {n: p.detach().clone() for n, p in reference.named_parameters()}

@@ -5,6 +5,7 @@ advantages, the squared error of the values)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_async_trainer import EPS_HIGH, EPS_LOW, TEMPERATURE, make_config, plain_model, rollouts, walk_grads
 from test_ppo_values import reference_gae
@@ -94,3 +95,26 @@ def test_train_with_a_value_model_completes_and_saves_it(model_dir, tmp_path):
     assert trainer._critic.model.score.weight.any()  # a zero head at the start, trained
     trainer.save_model(str(tmp_path / "final"))
     assert AutoModelForTokenClassification.from_pretrained(tmp_path / "final" / "value_model").num_labels == 1
+
+
+@pytest.mark.slow
+def test_two_processes_with_a_value_model_equal_one(model_dir, tmp_path):
+    """Two DDP processes (torchrun, gloo), the decoupled objective and a value model: GAE's whitening over
+    every rank's tokens, both models' gradients averaged once per step. Both ranks' policy and value model
+    equal one process's run of the same micro-batches (a one-process step is checked against a dense one
+    above)."""
+    import async_dist_worker as dist
+
+    ranks = dist.launch(tmp_path / "two", model_dir, "decoupled-value")
+    one = dist.make_trainer(str(tmp_path / "one"), str(model_dir), "decoupled-value", processes=1)
+    before = dist.trained_state(one)
+    one.train()
+    expected = dist.trained_state(one)
+    for name in ("params", "critic"):
+        moved = {n: expected[name][n] - before[name][n] for n in before[name]}
+        assert max(float(m.abs().max()) for m in moved.values()) > 1e-4, name  # both models trained
+        for rank in ranks:
+            update = {n: rank[name][n] - before[name][n] for n in before[name]}
+            assert relative_error(update, moved) <= 1e-4, name
+    for key in ("value/loss", "decoupled/imp_weight_mean"):
+        assert len([log for log in ranks[0]["logs"] if key in log]) == dist.STEPS, key
