@@ -1,7 +1,9 @@
 """AsyncTreePPOTrainer's decoupled objective (``use_decoupled_loss``, AReaL's): the walk against the same
 objective written out here, with the proximal log-probs from a separate no-gradient forward; samples of four
 policy versions in one trie, identical samples of different versions, tokens over the weight's cap (masked
-or truncated); and ``train()`` against a dense SGD reference."""
+or truncated); and ``train()`` against a dense SGD reference: a full policy, a LoRA policy (fp32, the
+adapter's updates), and two DDP processes (torchrun, gloo: ``async_dist_worker.py``) against one process's
+dense SGD. The end-to-end run against a vLLM server is in test_async_vllm.py."""
 
 from __future__ import annotations
 

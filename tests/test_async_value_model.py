@@ -1,7 +1,8 @@
 """AsyncTreePPOTrainer with a value model: the current critic's values at training time, GAE per sample in
 the trainer, the policy and the value model walked on one trie, against a dense computation written here
 (float32: per-sample forwards, GAE by an independent loop, whitening, TRL's coupled loss with per-token
-advantages, the squared error of the values)."""
+advantages, the squared error of the values); ``train()`` with a value model; and two DDP processes (the
+decoupled objective, ``async_dist_worker.py``) against one process's run of the same micro-batches (slow)."""
 
 from __future__ import annotations
 
