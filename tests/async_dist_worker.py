@@ -57,7 +57,8 @@ def make_trainer(out_dir: str, model_dir: str, mode: str, processes: int) -> Asy
         output_dir=out_dir, per_device_train_batch_size=PER_RANK * RANKS // processes,
         gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, bf16=False, use_cpu=True, optim="sgd",
         learning_rate=LR, max_grad_norm=0.0, report_to=[], save_strategy="no", logging_steps=1,
-        epsilon=EPSILON, epsilon_high=EPSILON_HIGH, temperature=TEMPERATURE, max_staleness=3, **MODES[mode],
+        epsilon=EPSILON, epsilon_high=EPSILON_HIGH, temperature=TEMPERATURE, max_staleness=3,
+        tree_dense_fallback="never", **MODES[mode],  # (one process walks too, as two do)
     )  # fmt: skip
     return AsyncTreePPOTrainer(
         model_dir, args=args, processing_class=tiny_tokenizer(), train_dataset=make_dataset(2),

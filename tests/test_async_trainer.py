@@ -57,7 +57,7 @@ def make_config(out, **overrides) -> AsyncTreePPOConfig:
         output_dir=str(out), per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=1,
         bf16=False, use_cpu=True, optim="sgd", learning_rate=0.05, max_grad_norm=0.0, report_to=[],
         save_strategy="no", logging_steps=1, epsilon=EPS_LOW, epsilon_high=EPS_HIGH, temperature=TEMPERATURE,
-        max_staleness=3,
+        max_staleness=3, tree_dense_fallback="never",  # (every step walks: these tests test the walk)
     )  # fmt: skip
     kw.update(overrides)
     return AsyncTreePPOConfig(**kw)

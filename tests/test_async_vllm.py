@@ -221,13 +221,14 @@ class Run:
 def _train(model_dir, server, out, base: int, steps: int = STEPS, value_model=None, **options) -> Run:
     """Train ``steps`` optimizer steps against ``server``, the policy versions numbered from ``base`` + 1
     (TRL's resume sets ``model_version`` the same way), then unload the run's adapters still loaded."""
+    # (tree_dense_fallback "never": every step walks, and the walk is what is checked)
     args = AsyncTreePPOConfig(
         output_dir=str(out), vllm_server_base_url=server.base_url, vllm_server_timeout=60,
         request_timeout=60, heartbeat_stale_after_s=120.0, max_steps=steps, per_device_train_batch_size=BATCH,
         gradient_accumulation_steps=ACCUMULATION, num_generations=4, max_completion_length=12,
         max_staleness=MAX_STALENESS, temperature=1.0, optim="sgd", learning_rate=2.0, max_grad_norm=0.0,
         lr_scheduler_type="constant", logging_steps=1, report_to=[], save_strategy="no", seed=0,
-        dtype="float32", bf16=False, use_cpu=True, **options,
+        dtype="float32", bf16=False, use_cpu=True, tree_dense_fallback="never", **options,
     )  # fmt: skip
     recorder = Recorder(BATCH * ACCUMULATION)
     trainer = RecordingTrainer(

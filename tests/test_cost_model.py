@@ -201,14 +201,16 @@ def test_the_dense_fallback_decides_by_the_fitted_costs(tmp_path):
     assert not _walker("never", model, tmp_path).prefer_dense(model, _unshared(), metrics=metrics)
     assert _walker("always", model, tmp_path).prefer_dense(model, _unshared(), metrics=metrics)
     auto = _walker("auto", model, tmp_path)
-    assert not auto.prefer_dense(model, _unshared(), metrics=metrics)  # (uncalibrated: the walk, timed)
+    assert auto.prefer_dense(model, _unshared(), metrics=metrics)  # from the first step: the shipped prior
     _calibrate(auto, model, CPU)
     assert auto.prefer_dense(model, _unshared(), metrics=metrics)  # the same call, 16x the attention pairs
     assert not auto.prefer_dense(model, _shared(), metrics=metrics)  # the prompt walked once, not 16 times
     prediction = auto.prediction
     assert prediction.dense_s > prediction.walk_s * 1.1 and not prediction.dense
-    assert metrics["tree/path"] == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert metrics["tree/path"] == [0.0, 1.0, 1.0, 1.0, 0.0]
     assert len(metrics["tree/predicted_s"]) == 5 and len(metrics["tree/predicted_dense_s"]) == 5
+    assert metrics["tree/dedup_ratio"] == [1.0] * 3  # a dense step logs how little it shared
+    assert metrics["tree/tokens"] == metrics["tree/unique_tokens"] == [16 * 128.0] * 3
     # the margin: dense must win by it; a margin wider than the gap keeps the walk
     wide = _walker("auto", model, tmp_path, tree_dense_margin=100.0)
     _calibrate(wide, model, CPU)
@@ -233,3 +235,13 @@ def test_the_dense_fallback_is_refused_where_every_rank_would_have_to_agree(tmp_
 
         TreeSFTConfig("out", tree_dense_fallback="sometimes", bf16=False)
     assert torch.is_grad_enabled()
+
+
+def test_the_step_tree_check_gradients_checks_is_walked(tmp_path):
+    """A step the cost model would send to the dense path walks while ``tree_check_gradients`` has yet to
+    check a step (the check compares the walk with the dense path); after it, the fallback decides."""
+    model = tiny_model().train()
+    walker = _walker("auto", model, tmp_path, tree_check_gradients=True)
+    assert not walker.prefer_dense(model, _unshared())
+    walker.check_gradients = False  # (as after the first gradient step, which checked)
+    assert walker.prefer_dense(model, _unshared())

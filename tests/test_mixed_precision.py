@@ -60,7 +60,7 @@ def test_gpu_recipe_config_trains_a_step(tmp_path):
     assert training["use_vllm"] and training["vllm_mode"] == "colocate"  # (tests/test_vllm_colocate.py)
     # generation is scripted here: vLLM's colocate mode is tests/test_vllm_colocate.py's
     training.update(output_dir=str(tmp_path), use_cpu=True, max_steps=1, save_strategy="no", report_to="none",
-                    max_completion_length=128, use_vllm=False)  # fmt: skip
+                    max_completion_length=128, use_vllm=False, tree_dense_fallback="never")  # fmt: skip
     recorder = GradRecorder()
     config = TreePPOConfig(**training)
     trainer = make_trainer(

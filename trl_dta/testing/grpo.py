@@ -181,8 +181,10 @@ ScriptedGRPOTrainer = type("ScriptedGRPOTrainer", (ScriptedGenerationMixin, GRPO
 def make_config(output_dir=None, config_cls=GRPOConfig, **overrides):
     """CPU-friendly, deterministic GRPOConfig (or a subclass). Defaults: one generation of 4 rows (1
     prompt x 4) used for 2 optimizer steps (num_iterations=2, so old logps are computed and ratios move),
-    plain SGD, a constant lr, no clipping (max_grad_norm=0), no KL (beta=0). Keys the config class lacks are
-    dropped unless given explicitly in `overrides`. `output_dir=None` makes a temporary directory."""
+    plain SGD, a constant lr, no clipping (max_grad_norm=0), no KL (beta=0); a tree config walks every step
+    (``tree_dense_fallback="never"``: the cost model would send a tiny model's steps to TRL's dense path).
+    Keys the config class lacks are dropped unless given explicitly in `overrides`. `output_dir=None` makes
+    a temporary directory."""
     if output_dir is None:
         output_dir = tempfile.mkdtemp(prefix="trl_dta_grpo_")
     kw = dict(
@@ -215,6 +217,7 @@ def make_config(output_dir=None, config_cls=GRPOConfig, **overrides):
         save_strategy="no",
         log_completions=False,
         disable_tqdm=True,
+        tree_dense_fallback="never",  # (tree configs) every step walks: a test of the walk tests the walk
     )
     if "gradient_checkpointing" in overrides and "activation_checkpointing" not in overrides:
         kw["activation_checkpointing"] = overrides["gradient_checkpointing"]

@@ -94,7 +94,8 @@ def prompt_completion(num: int = 8) -> Dataset:
 def make_sft_config(output_dir=None, config_cls=SFTConfig, **overrides):
     """CPU-friendly, deterministic SFTConfig (or a subclass): fp32, plain SGD at a constant lr, no clipping
     (max_grad_norm=0, so a GradRecorder sees the raw accumulated gradient), 2 optimizer steps of 2
-    micro-batches of 2 rows, samples in dataset order, no truncation. Keys the config class lacks are dropped
+    micro-batches of 2 rows, samples in dataset order, no truncation; a tree config walks every step
+    (``tree_dense_fallback="never"``). Keys the config class lacks are dropped
     unless given explicitly in `overrides`."""
     if output_dir is None:
         output_dir = tempfile.mkdtemp(prefix="trl_dta_sft_")
@@ -123,6 +124,7 @@ def make_sft_config(output_dir=None, config_cls=SFTConfig, **overrides):
         dataloader_pin_memory=False,
         logging_steps=1,
         report_to="none",
+        tree_dense_fallback="never",  # (tree configs) every step walks: a test of the walk tests the walk
         save_strategy="no",
         disable_tqdm=True,
         dataset_num_proc=None,

@@ -14,8 +14,9 @@ The step goes dense where ``dense x (1 + margin) < walk``. The dense side is pri
 constants, whose fixed cost per call also holds the walk's bookkeeping (its K/V buffers, its loss per
 sequence): a dense call costs at most that, so the comparison leans toward the walk, and the margin leans
 further. Gradients are the same either way (TRL's own loss and backward), so exactness does not depend on
-the choice. Modes: "auto" (decide per step, once the constants are calibrated on this device: until then
-the walk runs, and is timed), "never" (always walk), "always" (always dense).
+the choice. Modes: "auto" (decide per step, from the first, by the constants in use: the shipped ones, a
+cached fit or this run's; a step that walks is timed and refines them), "never" (always walk), "always"
+(always dense).
 """
 
 from __future__ import annotations
@@ -85,19 +86,25 @@ def decide(
 ) -> tuple[Prediction | None, bool]:  # fmt: skip
     """The prediction for a step of ``sequences`` (None without a cost model or sequences) and whether it
     takes the dense path: ``mode`` "always" and "never" say so; "auto" says dense where the prediction
-    does, once ``executor``'s constants are calibrated on this device, on one process only (every rank
-    would have to take the same path). ``no_grad_passes``: walks the trainer makes before the gradient walk
+    does (by ``executor``'s constants in use, calibrated or not), on one process only (every rank would have
+    to take the same path). ``no_grad_passes``: walks the trainer makes before the gradient walk
     (an accuracy pass); ``checkpointing``: the dense path recomputes its forward. Logs ``tree/path`` (1:
-    dense, 0: the walk), ``tree/predicted_s`` and ``tree/predicted_dense_s`` into ``metrics``."""
-    prediction, dense = None, mode == "always"
+    dense, 0: the walk), ``tree/predicted_s`` and ``tree/predicted_dense_s`` into ``metrics``; for a dense
+    step also the trie's ``tree/tokens``, ``tree/unique_tokens`` and ``tree/dedup_ratio`` (a walked step's
+    walk logs them)."""
+    prediction, dense, trie = None, mode == "always", None
     if sequences and executor.cost_model is not None:
         trie = PrefixTrie.from_sequences([s.tokens for s in sequences])
         prediction = predict(executor, trie, sequences, no_grad_passes, checkpointing, margin)
-        auto = mode == "auto" and not multi_process and executor.cost_model.calibrated
+        auto = mode == "auto" and not multi_process
         dense = dense or (auto and prediction.dense)
     if metrics is not None:
         metrics["tree/path"].append(float(dense))
         if prediction is not None:
             metrics["tree/predicted_s"].append(prediction.walk_s)
             metrics["tree/predicted_dense_s"].append(prediction.dense_s)
+        if dense and trie is not None:  # (a walked step logs them itself): how much the step shared
+            metrics["tree/tokens"].append(float(trie.num_tokens))
+            metrics["tree/unique_tokens"].append(float(trie.num_unique_tokens))
+            metrics["tree/dedup_ratio"].append(trie.dedup_ratio)
     return prediction, dense

@@ -149,7 +149,8 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **multimodal,
     ):  # fmt: skip
-        """TRL's no-grad log-prob passes (old policy, reference model) through one trie of the batch. Called
+        """TRL's no-grad log-prob passes (old policy, reference model) through one trie of the batch, or TRL's
+        own pass where ``tree_dense_fallback`` predicts it faster (the same values). Called
         by TRL's ``_compute_loss`` with a :class:`Walked` or :class:`_DensePass` in place of the model (see
         :meth:`_trl_loss`, :meth:`dense_loss`): the walk's values, or TRL's own dense pass."""
         if isinstance(model, Walked):
@@ -171,6 +172,13 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
             "completion_mask": attention_mask[:, prompt_len:],
         }
         seqs, owners = step_sequences([batch], keep_prompt_only=self.aux_loss_enabled)
+        chunk = batch_size or input_ids.shape[0]  # (TRL's dense pass forwards the rows chunk by chunk)
+        chunked = [s._replace(batch=o.row // chunk) for s, o in zip(seqs, owners, strict=True)]
+        if self._walker.prefer_dense(model, chunked):  # (tree_dense_fallback: TRL's own pass, same values)
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss,
+            )  # fmt: skip
         with self._walker.step(model, seqs, training=False) as step:
             out = step.logprobs(self.temperature, entropies=compute_entropy)
         lps, ents = out if compute_entropy else (out, None)

@@ -214,10 +214,11 @@ class StepWalker:
         """Whether the step of ``sequences`` should take TRL's dense path instead of the walk
         (``tree_dense_fallback``: :func:`trl_dta.train.dense_fallback.decide`, which documents the arguments);
         logs ``tree/path`` and the predicted seconds into ``metrics``; the prediction stays in
-        :attr:`prediction`."""
+        :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks."""
+        mode = "never" if self.check_gradients and self.dense_fallback == "auto" else self.dense_fallback
         self.prediction, dense = decide(
-            self.executor(model), sequences, self.dense_fallback, self.dense_margin, self.multi_process,
-            no_grad_passes, checkpointing, metrics,
+            self.executor(model), sequences, mode, self.dense_margin, self.multi_process, no_grad_passes,
+            checkpointing, metrics,
         )  # fmt: skip
         return dense
 

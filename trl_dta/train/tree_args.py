@@ -86,7 +86,8 @@ class TreeArguments:
         tree_check_gradients (`bool`, defaults to `False`):
             On the first optimizer step, also compute its gradients the dense TRL way (each of its
             micro-batches) and raise if the tree walk's gradients differ (relative tolerance
-            `tree_check_tolerance`). Costs one dense forward/backward of a step, once.
+            `tree_check_tolerance`). Costs one dense forward/backward of a step, once. That step walks
+            whatever `tree_dense_fallback` says.
         tree_check_tolerance (`float`, defaults to 1e-3):
             Largest allowed per-tensor ``max|tree - dense| / max|dense|`` for `tree_check_gradients` (a finite
             number >= 0).
@@ -101,10 +102,11 @@ class TreeArguments:
             else `~/.cache/trl_dta`.
         tree_dense_fallback (`str`, defaults to `"auto"`):
             `"auto"`: before each step, predict the walk's time and TRL's dense path's for the same rows by
-            the fitted constants, and take TRL's own dense path where it is faster by `tree_dense_margin`
-            (once the constants are calibrated on this device); `"never"`: always walk; `"always"`: always
-            TRL's dense path (for comparison). The gradients are the same either way. One process only
-            (several: the walk, and `"always"` is refused). Wired into `TreeSFTTrainer`.
+            the constants in use (shipped, cached or fitted in this run), from the first step, and take TRL's
+            own dense path where it is faster by `tree_dense_margin`; `"never"`: always walk; `"always"`:
+            always TRL's dense path (for comparison). The gradients are the same either way. One process
+            only (several: the walk, and `"always"` is refused). All three trainers, not with a value model
+            or `check_staleness_at_training`.
         tree_dense_margin (`float`, defaults to 0.1):
             The dense path is taken where its predicted time x (1 + margin) is below the walk's.
     """
