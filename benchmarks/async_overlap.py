@@ -74,7 +74,7 @@ NO_CHUNKED_PREFILL = ("--max-num-seqs", "16", "--max-num-batched-tokens", str(16
 SIDES = ("sync", "async", "async_split")
 SERVER_CORE = 0  # async_split: the server's core (the trainer gets the others)
 # what the staleness comparison reads, per optimizer step (TRL's logs and ppo_async_metrics.py's)
-PER_STEP = ("staleness/", "decoupled/", "clip_ratio/", "sample/", "perf/rollout_wait_s", "reward", "tree/")
+PER_STEP = ("staleness/", "decoupled/", "clip_ratio/", "sample/", "perf/", "reward", "tree/", "tools/")
 PAPER_TRAIN_OVER_GENERATION = {"Qwen3-1.7B": 1.28, "Qwen3-8B": 2.28}
 
 
@@ -240,7 +240,9 @@ def run_sync(args) -> dict:
     side = {"side": "sync", "trainer": "TreePPOTrainer", "generation": args.generation, "load_average": load,
             "walk_s": sum(r["tree/time_s"] for r in history if "tree/time_s" in r),
             "engine_s": sum(r["perf/generation_s"] for r in history if "perf/generation_s" in r),
-            "rewards": [r["reward"] for r in history if "reward" in r]}  # fmt: skip
+            "rewards": [r["reward"] for r in history if "reward" in r],
+            "per_step": {k: [r.get(k) for r in history if "reward" in r] for k in ("tools/call_frequency",
+                         "perf/generation_s", "tree/time_s")}}  # fmt: skip
     result = rates(side, clock, sum(generation_s), args, script, a)
     trainer.save_model(str(output))  # held-out success: the `heldout` part, from the saved adapter
     return result

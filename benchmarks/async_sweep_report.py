@@ -45,6 +45,11 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
+def pct(value: float) -> str:
+    """A share as a percentage; "-" where there was nothing to count (no stale token in the run)."""
+    return "-" if math.isnan(value) else f"{value:.1%}"
+
+
 def latency(tags: list[str]) -> tuple[list[dict], list[str]]:
     runs, lines, ratios = [], [], []
     for tag in tags:
@@ -53,10 +58,12 @@ def latency(tags: list[str]) -> tuple[list[dict], list[str]]:
             if run is None:
                 continue
             runs.append(run)
+            ends = run["step_ends_s"]
             steps = f"{run['steps']} in {run['elapsed_s']:.0f} s"
+            later = f"{(ends[-1] - ends[0]) / (len(ends) - 1):.0f} s" if len(ends) > 1 else "-"
             lines.append(
                 f"| {run['tool_latency']} s | {run['trainer']} | {steps} | {run['steps_per_s'] * 60:.2f} | "
-                f"{held_out(run)} | {run['wait_share']:.0%} | {loads(run)} |"
+                f"{ends[0]:.0f} s | {later} | {held_out(run)} | {run['wait_share']:.0%} | {loads(run)} |"
             )
         if sync and asyn:
             ratios.append((sync["tool_latency"], asyn["steps_per_s"] / sync["steps_per_s"]))
@@ -88,12 +95,11 @@ def staleness(tags: list[str]) -> tuple[list[dict], list[str]]:
         lines.append(
             f"| {run['max_staleness']} | {objective} | {steps} | {held_out(run)} | "
             f"{max(train_max, default=math.nan):.0f} / {mean(column(run, 'staleness/train_mean')):.2f} | "
-            f"{mean(column(run, 'staleness/stale_token_share')):.0%} | "
-            f"{mean(column(run, 'staleness/stale_clip_ratio')):.1%} | "
-            f"{(f'{mean(capped):.1%}' if capped else '-')} | "
-            f"{mean(column(run, 'staleness/stale_kept_ratio')):.1%} | "
+            f"{pct(mean(column(run, 'staleness/stale_token_share')))} | "
+            f"{pct(mean(column(run, 'staleness/stale_clip_ratio')))} | {pct(mean(capped))} | "
+            f"{pct(mean(column(run, 'staleness/stale_kept_ratio')))} | "
             f"{weights} | "
-            f"{mean(column(run, 'clip_ratio/region_mean')):.1%} | {loads(run)} |"
+            f"{pct(mean(column(run, 'clip_ratio/region_mean')))} | {loads(run)} |"
         )
     lines.append("(means over the run's optimizer steps; staleness/train_max: the largest over the run)")
     return runs, lines
