@@ -35,6 +35,16 @@ AReaL-DTA paper's reported figures: docs/async.md ("Overlap").
     .venv-vllm/bin/python benchmarks/async_overlap.py async_split --wall_s 420  # server: core 0
     python benchmarks/async_overlap.py paper --launch_json benchmarks/out/launch_model.json
     python benchmarks/async_overlap.py report                       # the table, from benchmarks/out/
+
+Issue 40's sweeps run sides side by side, each pinned to one core (``--core``: this process and what it
+starts, the colocated engine, the server, TRL's rollout worker; ``VLLM_CPU_OMP_THREADS_BIND`` and one torch
+thread), ``--tool_latency`` overriding the config's, ``--tag`` naming the run (its JSON
+``async_overlap_<side>_<tag>.json`` and its output folder), and for the staleness comparison
+``--max_staleness`` and ``--decoupled`` (``use_decoupled_loss``). benchmarks/async_sweep_report.py prints
+their tables:
+
+    .venv-vllm/bin/python benchmarks/async_overlap.py sync --core 0 --tool_latency 1 --tag lat1 --wall_s 200 &
+    .venv-vllm/bin/python benchmarks/async_overlap.py async --core 1 --tool_latency 1 --tag lat1 --wall_s 200
 """
 
 from __future__ import annotations
@@ -63,16 +73,47 @@ OUT = REPO / "benchmarks" / "out"
 NO_CHUNKED_PREFILL = ("--max-num-seqs", "16", "--max-num-batched-tokens", str(16 * 2048))
 SIDES = ("sync", "async", "async_split")
 SERVER_CORE = 0  # async_split: the server's core (the trainer gets the others)
+# what the staleness comparison reads, per optimizer step (TRL's logs and ppo_async_metrics.py's)
+PER_STEP = ("staleness/", "decoupled/", "clip_ratio/", "sample/", "perf/", "reward", "tree/", "tools/")
 PAPER_TRAIN_OVER_GENERATION = {"Qwen3-1.7B": 1.28, "Qwen3-8B": 2.28}
 
 
-def settings(work_dir: Path, *overrides: str):
+def settings(work_dir: Path, *overrides: str, args=None):
     """The CPU config through the async recipe's parser: (script, AsyncTreePPOConfig, model arguments), the
-    model being ``work_dir/warm_model``; its `env:` block is exported, as when the recipe runs."""
+    model being ``work_dir/warm_model``; its `env:` block is exported, as when the recipe runs. ``args``: the
+    command line's overrides of the config (``--tool_latency``, ``--max_staleness``, ``--decoupled``,
+    ``--dense_fallback``)."""
     import ppo_tau2_async
 
     model = ["--model_name_or_path", str(work_dir.resolve() / "warm_model")]
-    return ppo_tau2_async.make_parser().parse_args_and_config(["--config", str(CONFIG), *model, *overrides])
+    extra = []
+    if args is not None:
+        for flag in ("tool_latency", "max_staleness"):
+            if getattr(args, flag, None) is not None:
+                extra += [f"--{flag}", str(getattr(args, flag))]
+        if getattr(args, "decoupled", False):
+            extra += ["--use_decoupled_loss", "true"]
+        if getattr(args, "dense_fallback", None):
+            extra += ["--tree_dense_fallback", args.dense_fallback]
+    return ppo_tau2_async.make_parser().parse_args_and_config(
+        ["--config", str(CONFIG), *model, *overrides, *extra]
+    )
+
+
+def run_name(args, side: str) -> str:
+    """A run's name: its side, and ``_<tag>`` when tagged (its JSON and output folder are named so)."""
+    return f"{side}_{args.tag}" if getattr(args, "tag", "") else side
+
+
+def pin_to_core(core: int) -> None:
+    """This process and every process it starts on one core: the colocated vLLM engine and the server bind
+    their OpenMP threads to it, torch runs one thread."""
+    import torch
+
+    os.sched_setaffinity(0, {core})
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def heldout_rows(script, seed):
@@ -120,22 +161,28 @@ class WallClock(TrainerCallback):
     records each step's end time (seconds after that)."""
 
     def __init__(self, wall_s: float):
-        self.wall_s, self.begin, self.step_ends = wall_s, None, []
+        self.wall_s, self.begin, self.step_ends, self.loads = wall_s, None, [], []
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.begin = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
         self.step_ends.append(time.perf_counter() - self.begin)
+        self.loads.append(load_average())  # (the machine is shared: the load each step saw)
         if self.step_ends[-1] >= self.wall_s:
             control.should_training_stop = True
 
 
-def rates(side: dict, clock: WallClock, wait_s: float) -> dict:
+def rates(side: dict, clock: WallClock, wait_s: float, args, script, a) -> dict:
+    """The run's rates and settings (``script``, ``a``: as read from the config and the overrides)."""
     elapsed = clock.step_ends[-1]
     steps = len(clock.step_ends)
     return side | {"steps": steps, "elapsed_s": elapsed, "steps_per_s": steps / elapsed, "wait_s": wait_s,
-                   "wait_share": wait_s / elapsed, "step_ends_s": clock.step_ends}  # fmt: skip
+                   "wait_share": wait_s / elapsed, "step_ends_s": clock.step_ends,
+                   "load_average_at_steps": clock.loads, "core": args.core, "tag": args.tag,
+                   "wall_s": args.wall_s, "tool_latency": script.tool_latency,
+                   "max_staleness": a.max_staleness, "use_decoupled_loss": a.use_decoupled_loss,
+                   "tree_dense_fallback": a.tree_dense_fallback, "seed": a.seed}  # fmt: skip
 
 
 def success(model, tokenizer, script, train, rows) -> float:
@@ -152,12 +199,15 @@ def run_sync(args) -> dict:
 
     from trl_dta import TreePPOConfig, TreePPOTrainer
 
-    output = args.work_dir / "sync"
-    script, a, model_args = settings(args.work_dir, "--output_dir", str(output), "--max_steps", "1000")
+    output = args.work_dir / run_name(args, "sync")
+    script, a, model_args = settings(
+        args.work_dir, "--output_dir", str(output), "--max_steps", "1000", args=args
+    )
     shared = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
               "max_completion_length", "max_tool_calling_iterations", "temperature", "learning_rate",
-              "lr_scheduler_type", "epsilon", "max_steps", "seed", "tree_block_size", "logging_steps",
-              "save_strategy", "report_to", "dataloader_pin_memory", "bf16", "output_dir")  # fmt: skip
+              "lr_scheduler_type", "epsilon", "max_steps", "seed", "tree_block_size", "tree_dense_fallback",
+              "logging_steps", "save_strategy", "report_to", "dataloader_pin_memory", "bf16",
+              "output_dir")  # fmt: skip
     kw = {k: getattr(a, k) for k in shared}
     if args.generation == "colocate":
         # vLLM's CPU engine sizes its KV cache from VLLM_CPU_KVCACHE_SPACE, not from the utilisation (whose
@@ -190,8 +240,10 @@ def run_sync(args) -> dict:
     side = {"side": "sync", "trainer": "TreePPOTrainer", "generation": args.generation, "load_average": load,
             "walk_s": sum(r["tree/time_s"] for r in history if "tree/time_s" in r),
             "engine_s": sum(r["perf/generation_s"] for r in history if "perf/generation_s" in r),
-            "rewards": [r["reward"] for r in history if "reward" in r]}  # fmt: skip
-    result = rates(side, clock, sum(generation_s))
+            "rewards": [r["reward"] for r in history if "reward" in r],
+            "per_step": {k: [r.get(k) for r in history if "reward" in r] for k in ("tools/call_frequency",
+                         "perf/generation_s", "tree/time_s")}}  # fmt: skip
+    result = rates(side, clock, sum(generation_s), args, script, a)
     trainer.save_model(str(output))  # held-out success: the `heldout` part, from the saved adapter
     return result
 
@@ -200,10 +252,11 @@ def heldout(args) -> dict:
     """Held-out success of a side's saved policy (greedy, τ²'s check, no latency), added to its JSON."""
     from recipe_utils.evaluation import saved_policy
 
-    script, a, model_args = settings(args.work_dir, "--output_dir", str(args.work_dir / args.side))
+    name = run_name(args, args.side)
+    script, a, model_args = settings(args.work_dir, "--output_dir", str(args.work_dir / name))
     _, rows = heldout_rows(script, a.seed)
     policy, tokenizer = saved_policy(model_args.model_name_or_path, a.output_dir, adapter=model_args.use_peft)
-    path = OUT / f"async_overlap_{args.side}.json"
+    path = OUT / f"async_overlap_{name}.json"
     result = json.loads(path.read_text()) if path.exists() else {"side": args.side, "note": "no run JSON"}
     result["heldout_success"] = success(policy, tokenizer, script, a, rows)
     result["heldout_tasks"] = len(rows)
@@ -218,9 +271,9 @@ def run_async(args, split: bool = False) -> dict:
     from trl_dta.testing.vllm_server import VLLMServer
 
     name = "async_split" if split else "async"
-    output = str(args.work_dir / name)  # held-out success: the `heldout` part, as for the sync side
+    output = str(args.work_dir / run_name(args, name))  # held-out success: the `heldout` part, as for sync
     script, a, model_args = settings(
-        args.work_dir, "--output_dir", output, "--max_steps", "1000", "--greedy_eval", "0"
+        args.work_dir, "--output_dir", output, "--max_steps", "1000", "--greedy_eval", "0", args=args
     )
     server = VLLMServer(
         model_args.model_name_or_path, "--enable-lora", "--max-lora-rank", str(model_args.lora_r),
@@ -228,7 +281,7 @@ def run_async(args, split: bool = False) -> dict:
         python=args.vllm_python,
         env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "VLLM_CPU_KVCACHE_SPACE": "2"}
         | ({"VLLM_CPU_OMP_THREADS_BIND": str(SERVER_CORE)} if split else {}),
-        startup_timeout=args.server_timeout, log_path=str(args.work_dir / "vllm_server.log"),
+        startup_timeout=args.server_timeout, log_path=f"{output}_vllm_server.log",
     )  # fmt: skip
     clock = WallClock(args.wall_s)
     with server:
@@ -250,8 +303,10 @@ def run_async(args, split: bool = False) -> dict:
             "wait_share_after_first_step": sum(waits[1:]) / after_first if after_first > 0 else None,
             "staleness_max": max((r.get("sample/staleness_max") or 0 for r in logs), default=None),
             "walk_s": sum(r.get("tree/time_s", 0.0) for r in logs), "load_average": load,
-            "rewards": [r.get("reward") for r in logs], "summary": summary}  # fmt: skip
-    return rates(side, clock, sum(waits))
+            "rewards": [r.get("reward") for r in logs], "summary": summary,
+            "per_step": {key: [r.get(key) for r in logs] for key in sorted({k for r in logs for k in r})
+                         if key.startswith(PER_STEP)}}  # fmt: skip
+    return rates(side, clock, sum(waits), args, script, a)
 
 
 def paper(args) -> dict:
@@ -259,7 +314,10 @@ def paper(args) -> dict:
     (every GPU generates, then every GPU trains) against an asynchronous split of N generating and M training
     GPUs, dense training and the walk (launch_model.py's predicted speedup), for engine utilisations u of the
     synchronous generation phase (1: no idle engine; below: the step waits on its slowest rollouts and tools,
-    which the asynchronous queue fills with other requests)."""
+    which the asynchronous queue fills with other requests). The decoupled objective's proximal log-probs:
+    free here (the walk's own, detached: ppo_async_loss.py); ``--proximal_pass`` prices the separate
+    no-gradient forward AReaL runs for them (a share of the training work: 1/3, one forward of the three a
+    forward and backward cost), the ``async_walk_proximal`` column."""
     if args.walk_speedup:  # launch_model.py's prediction, taken from where it was published
         launch = {"assumptions": {"source": args.walk_source}, "shapes": [{"scale": 1.0, "walk": [
             {"kernel": k, "memory": args.walk_source, "predicted_speedup": float(v)}
@@ -276,6 +334,10 @@ def paper(args) -> dict:
                 sync_dense = g / (args.gpus * u) + t_dense / args.gpus
                 sync_walk = g / (args.gpus * u) + t_walk / args.gpus
                 step, n = min((max(g / n, t_walk / (args.gpus - n)), n) for n in range(1, args.gpus))
+                t_prox = t_walk * (1 + args.proximal_pass)
+                prox_step, prox_n = min(
+                    (max(g / k, t_prox / (args.gpus - k)), k) for k in range(1, args.gpus)
+                )
                 dense_step, dense_n = min(
                     (max(g / k, t_dense / (args.gpus - k)), k) for k in range(1, args.gpus)
                 )
@@ -283,6 +345,9 @@ def paper(args) -> dict:
                              "memory": walk["memory"], "walk_speedup": s, "u_sync": u,
                              "sync_dense_steps_per_unit": 1 / sync_dense, "sync_walk": sync_dense / sync_walk,
                              "async_walk": sync_dense / step, "split": f"{n} gen + {args.gpus - n} train",
+                             "proximal_pass": args.proximal_pass,
+                             "async_walk_proximal": sync_dense / prox_step,
+                             "proximal_split": f"{prox_n} gen + {args.gpus - prox_n} train",
                              "async_dense": sync_dense / dense_step,
                              "dense_split": f"{dense_n} gen + {args.gpus - dense_n} train",
                              "async_trainer_wait_share": 1 - (t_walk / (args.gpus - n)) / step,
@@ -303,6 +368,7 @@ def report(_args) -> None:
         print(f"| {r['model']} | {r['train_over_generation']} | {r['kernel']} {r['walk_speedup']:.2f}x | "
               f"{r['u_sync']} | {r['sync_walk']:.2f}x | {r['async_dense']:.2f}x ({r['dense_split']}) | "
               f"{r['async_walk']:.2f}x ({r['split']}) | "
+              f"{r['async_walk_proximal']:.2f}x ({r['proximal_split']}) | "
               f"{r['sync_walk_wait_share']:.0%} | {r['async_trainer_wait_share']:.0%} |")  # fmt: skip
 
 
@@ -319,10 +385,19 @@ def main() -> None:
     parser.add_argument("--walk_speedup", default="", help="paper: KERNEL=X,... instead of --launch_json")
     parser.add_argument("--walk_source", default="", help="paper: where --walk_speedup was published")
     parser.add_argument("--gpus", type=int, default=8)
+    parser.add_argument("--core", type=int, default=None, help="pin the run (what it starts too) to it")
+    parser.add_argument("--tag", default="", help="the run's name: async_overlap_<side>_<tag>.json")
+    parser.add_argument("--tool_latency", type=float, default=None, help="seconds per tool call, user turn")
+    parser.add_argument("--max_staleness", type=int, default=None, help="the config's, unless given")
+    parser.add_argument("--decoupled", action="store_true", help="use_decoupled_loss (async sides)")
+    parser.add_argument("--dense_fallback", default=None, help="tree_dense_fallback (default: the config's)")
+    parser.add_argument("--proximal_pass", type=float, default=1 / 3, help="paper: a proximal forward's cost")
     parser.add_argument("--utilisation", type=lambda v: [float(x) for x in v.split(",")], default=[1.0, 0.5])
     args = parser.parse_args()
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.core is not None:
+        pin_to_core(args.core)
     if args.part == "prepare":
         return prepare(args)
     if args.part == "report":
@@ -331,7 +406,7 @@ def main() -> None:
              "heldout": heldout, "paper": paper}  # fmt: skip
     result = parts[args.part](args)
     OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"async_overlap_{args.side if args.part == 'heldout' else args.part}.json"
+    path = OUT / f"async_overlap_{run_name(args, args.side if args.part == 'heldout' else args.part)}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps({k: v for k, v in result.items() if k not in ("step_ends_s", "rows")}, default=str))
     print(f"-> {path}")

@@ -354,7 +354,8 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         objective's too) from the walk's values (:mod:`~trl_dta.train.ppo_async_metrics`), and TRL's
         per-step accounting."""
         values = micro_batch_metrics(walked, self.accelerator, self.epsilon_low, self.epsilon_high,
-                                     self._decoupled, inputs["input_ids"].device)  # fmt: skip
+                                     self._decoupled, inputs["input_ids"].device,
+                                     version=self.model_version)  # fmt: skip
         for name, value in values.items():
             self._metrics["train"][name].append(value)
         trained, forward, samples = inputs["counts"][0].tolist()  # (the micro-batch's, over all ranks)
