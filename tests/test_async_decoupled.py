@@ -282,5 +282,9 @@ def test_a_step_on_the_dense_path_equals_the_walk(model_dir, tmp_path):
         )
         paths = [log["tree/path"] for log in trainer.state.log_history if "tree/path" in log]
         assert paths == ([1.0, 1.0] if mode == "always" else [0.0, 0.0])
+        staleness = [
+            log["staleness/train_max"] for log in trainer.state.log_history if "staleness/train_max" in log
+        ]
+        assert len(staleness) == 2  # (logged on either path)
     assert relative_error(updates[1], updates[0]) <= 1e-4
     assert max(u.abs().max() for u in updates[0].values()) > 1e-4  # it trained

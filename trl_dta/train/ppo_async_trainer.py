@@ -219,6 +219,8 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
             samples = [s for b, x in enumerate(group) for s in micro_batch_samples(x, b)]
             seqs = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
             self._tree_dense = self._walker.prefer_dense(model, seqs, metrics=self._metrics["train"])
+            if self._tree_dense:  # (the staleness at training, logged as the walk logs it)
+                self._within_staleness(samples)
         if self._tree_dense:
             self._tree_position += 1
         return self._tree_dense
