@@ -18,9 +18,11 @@ step trains ``--conversations`` samples):
   full SmolLM2, 8 mock conversations, one AdamW step), the whole phase timed (dataset, trainer, step), once
   per trainer.
 
-Variants, in turn, ``--repeats`` times (each a fresh trainer, same initial weights): stock ``SFTTrainer``
-± gradient checkpointing, ± ``padding_free``; ``TreeSFTTrainer`` (± ``padding_free``, walked as the same
-samples; ``tree+block-16k``: ``tree_block_size=16384``, no chunked backward on these paths). Measured per
+Variants, in turn, ``--repeats`` times (each a fresh trainer, same initial weights, an empty cost cache):
+stock ``SFTTrainer`` ± gradient checkpointing, ± ``padding_free``; ``TreeSFTTrainer`` (± ``padding_free``,
+walked as the same samples; ``tree``: the default ``tree_dense_fallback="auto"``, which may take TRL's dense
+path; ``tree+walk``: always walked; ``tree+block-16k``: ``tree_block_size=16384``, no chunked backward on
+these paths). Measured per
 run: the wall time of one optimizer step (the walk's one-time construction probe runs before it, outside the
 timing), the peak memory it adds (CPU: resident set, ``PeakMemory``
 of benchmarks/common.py; CUDA: allocated bytes); reported as medians, with the step's dedup ratio (tokens /
@@ -53,7 +55,8 @@ VARIANTS = {  # name -> (tree, gradient checkpointing, padding_free, tree option
     "stock+gc": (False, True, False, {}),
     "stock+padding-free": (False, False, True, {}),
     "stock+gc+padding-free": (False, True, True, {}),
-    "tree": (True, False, False, {}),
+    "tree": (True, False, False, {}),  # tree_dense_fallback "auto": a step predicted faster dense goes dense
+    "tree+walk": (True, False, False, {"tree_dense_fallback": "never"}),  # every step walked
     "tree+padding-free": (True, False, True, {}),
     # paths longer than the CPU default block (2048) walked without chunked backward's recompute
     "tree+block-16k": (True, False, False, {"tree_block_size": 16384}),
@@ -128,6 +131,7 @@ def run_variant(name, data, model_path, tokenizer, args, device):
         train_sampling_strategy="sequential", dataloader_num_workers=0, **options,
     )  # fmt: skip
     timer = StepTimer(device)
+    os.environ["TRL_DTA_CACHE_DIR"] = tempfile.mkdtemp(prefix="sft_bench_costs_")  # (a first run's constants)
     trainer = trainer_cls(model=load_model(model_path, args.layers), args=config,
                           train_dataset=Dataset.from_list(data), processing_class=tokenizer,
                           callbacks=[timer])  # fmt: skip
@@ -136,7 +140,8 @@ def run_variant(name, data, model_path, tokenizer, args, device):
     trainer.train()
     (log,) = [h for h in trainer.state.log_history if "loss" in h]
     return {"step_s": timer.seconds[0], "peak_mib": (timer.peaks[0] or 0) / 2**20, "loss": log["loss"],
-            "dedup": log.get("tree/dedup_ratio"), "tokens": log.get("tree/tokens")}  # fmt: skip
+            "dedup": log.get("tree/dedup_ratio"), "tokens": log.get("tree/tokens"),
+            "dense_path": log.get("tree/path")}  # fmt: skip
 
 
 def warm_start_phase(model_path, tokenizer, tree: bool, out_dir: str) -> float:
@@ -201,7 +206,8 @@ def main():
             step = statistics.median(r["step_s"] for r in runs[name])
             rows.append({"variant": name, "step_s": step, "speedup": base / step,
                          "peak_mib": statistics.median(r["peak_mib"] for r in runs[name]),
-                         "loss": runs[name][0]["loss"], "dedup": runs[name][0]["dedup"]})  # fmt: skip
+                         "loss": runs[name][0]["loss"], "dedup": runs[name][0]["dedup"],
+                         "dense_path": runs[name][0]["dense_path"]})  # fmt: skip
         columns = [("variant", "variant", "{}"), ("step s (median)", "step_s", "{:.2f}"),
                    (f"x {names[0]}", "speedup", "{:.2f}"), ("peak MiB", "peak_mib", "{:.0f}"),
                    ("loss", "loss", "{:.4f}"), ("dedup", "dedup", "{:.2f}")]  # fmt: skip
