@@ -114,6 +114,24 @@ def test_decoupled_keeps_the_gradient_the_coupled_objective_clips_away(fp64_deco
     assert max(g.abs().max() for g in decoupled.values()) > 0
 
 
+def reference_sgd(reference, samples, steps, per_batch, accumulation, lr, names) -> list[int]:
+    """``steps`` of plain SGD on ``reference``'s parameters ``names`` with the decoupled objective written out
+    (:func:`decoupled_reference`, cap ``CAP``, "mask"), over ``samples`` in order; per step, the tokens over
+    the cap."""
+    overs = []
+    for step in range(steps):
+        chunk = samples[step * accumulation * per_batch : (step + 1) * accumulation * per_batch]
+        micro_batches = [chunk[i : i + per_batch] for i in range(0, len(chunk), per_batch)]
+        reference.zero_grad(set_to_none=True)
+        loss, over = decoupled_reference(reference, micro_batches, accumulation, CAP, "mask")
+        loss.backward()
+        overs.append(over)
+        with torch.no_grad():
+            for n in names:
+                reference.get_parameter(n).sub_(lr * reference.get_parameter(n).grad)
+    return overs
+
+
 def test_decoupled_train_steps_equal_dense_sgd_and_log_the_weights(model_dir, tmp_path):
     steps, per_batch, accumulation, lr = 2, 3, 2, 0.05
     reference = plain_model(model_dir)
@@ -125,15 +143,7 @@ def test_decoupled_train_steps_equal_dense_sgd_and_log_the_weights(model_dir, tm
     )  # fmt: skip
     before = {n: p.detach().clone() for n, p in reference.named_parameters()}
     trainer.train()
-    for step in range(steps):
-        chunk = samples[step * accumulation * per_batch : (step + 1) * accumulation * per_batch]
-        micro_batches = [chunk[i : i + per_batch] for i in range(0, len(chunk), per_batch)]
-        reference.zero_grad(set_to_none=True)
-        loss, _ = decoupled_reference(reference, micro_batches, accumulation, CAP, "mask")
-        loss.backward()
-        with torch.no_grad():
-            for p in reference.parameters():
-                p -= lr * p.grad
+    reference_sgd(reference, samples, steps, per_batch, accumulation, lr, list(before))
     trained = dict(trainer.model.named_parameters())
     update = {n: trained[n].detach() - before[n] for n in before}
     expected = {n: p.detach() - before[n] for n, p in reference.named_parameters()}
@@ -165,16 +175,8 @@ def test_decoupled_train_steps_with_a_lora_policy_equal_dense_sgd(model_dir, tmp
     assert len(adapter) == 3 * 2 * 2  # A and B of 3 modules in 2 layers: only the adapter trains
     frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
     trainer.train()
-    for step in range(steps):
-        chunk = samples[step * accumulation * per_batch : (step + 1) * accumulation * per_batch]
-        micro_batches = [chunk[i : i + per_batch] for i in range(0, len(chunk), per_batch)]
-        reference.zero_grad(set_to_none=True)
-        loss, over = decoupled_reference(reference, micro_batches, accumulation, CAP, "mask")
-        loss.backward()
-        assert over > 0  # tokens over the cap in every step: the mask is exercised
-        with torch.no_grad():
-            for n in adapter:
-                reference.get_parameter(n).sub_(lr * reference.get_parameter(n).grad)
+    overs = reference_sgd(reference, samples, steps, per_batch, accumulation, lr, list(adapter))
+    assert all(over > 0 for over in overs)  # tokens over the cap in every step: the mask is exercised
     trained = dict(trainer.model.named_parameters())
     update = {n: trained[n].detach() - adapter[n] for n in adapter}
     expected = {n: reference.get_parameter(n).detach() - adapter[n] for n in adapter}
