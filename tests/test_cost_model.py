@@ -20,7 +20,7 @@ from accelerate import Accelerator
 
 from trl_dta import PrefixTrie
 from trl_dta.testing.grpo import tiny_model
-from trl_dta.train.dense_fallback import dense_terms
+from trl_dta.train.dense_fallback import checked_mode, dense_terms
 from trl_dta.train.step import StepSequence, StepWalker
 from trl_dta.walk.cost_cache import CostCache
 from trl_dta.walk.cost_fit import Constants, Observation, fit_constants
@@ -224,12 +224,18 @@ def test_dense_terms_are_one_padded_call_per_micro_batch():
     assert calls == pytest.approx(8 / 3) and tokens == pytest.approx(28 * 4 / 3)
 
 
-def test_the_dense_fallback_is_refused_where_every_rank_would_have_to_agree(tmp_path):
+def test_the_dense_fallback_is_refused_where_every_step_must_walk(tmp_path):
+    """Several processes (every rank would have to take the same path), DeepSpeed or FSDP (the walk reduces
+    the step's gradients and steps the engine itself): "auto" walks, "always" is refused."""
     model = tiny_model().train()
     walker = _walker("auto", model, tmp_path)
     _calibrate(walker, model, CPU)
-    walker.multi_process = True  # (as on several processes: never dense)
+    assert not walker.walk_only and walker.prefer_dense(model, _unshared())
+    walker.walk_only = True  # (as on several processes, or under DeepSpeed or FSDP: never dense)
     assert not walker.prefer_dense(model, _unshared())
+    with pytest.raises(ValueError, match="without DeepSpeed or FSDP"):
+        checked_mode("always", walk_only=True)
+    assert checked_mode("auto", walk_only=True) == "auto"
     with pytest.raises(ValueError, match="tree_dense_fallback"):
         from trl_dta import TreeSFTConfig
 

@@ -42,10 +42,14 @@ class Prediction(NamedTuple):
     dense: bool
 
 
-def checked_mode(mode: str, multi_process: bool) -> str:
-    """``tree_dense_fallback`` as the step seam takes it: "always" is refused on several processes."""
-    if mode == "always" and multi_process:
-        raise ValueError('tree_dense_fallback="always" runs on a single process only.')
+def checked_mode(mode: str, walk_only: bool) -> str:
+    """``tree_dense_fallback`` as the step seam takes it: "always" is refused where every step must walk
+    (``walk_only``: several processes; DeepSpeed or FSDP, whose steps the walk reduces and steps)."""
+    if mode == "always" and walk_only:
+        raise ValueError(
+            'tree_dense_fallback="always" runs on a single process without DeepSpeed or FSDP only: there '
+            "every step walks."
+        )
     return mode
 
 
@@ -81,22 +85,23 @@ def predict(executor, trie, sequences: Sequence, no_grad_passes: float = 0.0, ch
 
 
 def decide(
-    executor, sequences: Sequence, mode: str, margin: float, multi_process: bool,
+    executor, sequences: Sequence, mode: str, margin: float, walk_only: bool,
     no_grad_passes: float = 0.0, checkpointing: bool = False, metrics=None,
 ) -> tuple[Prediction | None, bool]:  # fmt: skip
     """The prediction for a step of ``sequences`` (None without a cost model or sequences) and whether it
     takes the dense path: ``mode`` "always" and "never" say so; "auto" says dense where the prediction
-    does (by ``executor``'s constants in use, calibrated or not), on one process only (every rank would have
-    to take the same path). ``no_grad_passes``: walks the trainer makes before the gradient walk
-    (an accuracy pass); ``checkpointing``: the dense path recomputes its forward. Logs ``tree/path`` (1:
-    dense, 0: the walk), ``tree/predicted_s`` and ``tree/predicted_dense_s`` into ``metrics``; for a dense
-    step also the trie's ``tree/tokens``, ``tree/unique_tokens`` and ``tree/dedup_ratio`` (a walked step's
-    walk logs them)."""
+    does (by ``executor``'s constants in use, calibrated or not), unless ``walk_only`` (several processes:
+    every rank would have to take the same path; DeepSpeed or FSDP: the walk reduces the step's gradients
+    and steps the engine itself, where TRL's dense backward would not reach them). ``no_grad_passes``:
+    walks the trainer makes before the gradient walk (an accuracy pass); ``checkpointing``: the dense path
+    recomputes its forward. Logs ``tree/path`` (1: dense, 0: the walk), ``tree/predicted_s`` and
+    ``tree/predicted_dense_s`` into ``metrics``; for a dense step also the trie's ``tree/tokens``,
+    ``tree/unique_tokens`` and ``tree/dedup_ratio`` (a walked step's walk logs them)."""
     prediction, dense, trie = None, mode == "always", None
     if sequences and executor.cost_model is not None:
         trie = PrefixTrie.from_sequences([s.tokens for s in sequences])
         prediction = predict(executor, trie, sequences, no_grad_passes, checkpointing, margin)
-        auto = mode == "auto" and not multi_process
+        auto = mode == "auto" and not walk_only
         dense = dense or (auto and prediction.dense)
     if metrics is not None:
         metrics["tree/path"].append(float(dense))

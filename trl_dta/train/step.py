@@ -46,6 +46,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 
 import torch
+from accelerate.utils import DistributedType
 
 from ..trie import PrefixTrie
 from ..walk.budgets import Budgets
@@ -105,7 +106,9 @@ class StepWalker:
         self.executors: dict[int, TreeExecutor] = {}
         self.trained: list = []  # the models trained in the same steps (train_together)
         self.cost_fit, self.cost_cache = _option(args, "tree_cost_fit"), _option(args, "tree_cost_cache")
-        self.dense_fallback = checked_mode(_option(args, "tree_dense_fallback"), self.multi_process)
+        sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
+        self.walk_only = self.multi_process or sharded  # (every step walks: tree_dense_fallback)
+        self.dense_fallback = checked_mode(_option(args, "tree_dense_fallback"), self.walk_only)
         self.dense_margin = _option(args, "tree_dense_margin")
         self.prediction: Prediction | None = None  # prefer_dense's last
 
@@ -217,7 +220,7 @@ class StepWalker:
         :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks."""
         mode = "never" if self.check_gradients and self.dense_fallback == "auto" else self.dense_fallback
         self.prediction, dense = decide(
-            self.executor(model), sequences, mode, self.dense_margin, self.multi_process, no_grad_passes,
+            self.executor(model), sequences, mode, self.dense_margin, self.walk_only, no_grad_passes,
             checkpointing, metrics,
         )  # fmt: skip
         return dense

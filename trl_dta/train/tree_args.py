@@ -105,8 +105,8 @@ class TreeArguments:
             the constants in use (shipped, cached or fitted in this run), from the first step, and take TRL's
             own dense path where it is faster by `tree_dense_margin`; `"never"`: always walk; `"always"`:
             always TRL's dense path (for comparison). The gradients are the same either way. One process
-            only (several: the walk, and `"always"` is refused). All three trainers, not with a value model
-            or `check_staleness_at_training`.
+            without DeepSpeed or FSDP only (elsewhere every step walks, and `"always"` is refused). All
+            three trainers, not with a value model or `check_staleness_at_training`.
         tree_dense_margin (`float`, defaults to 0.1):
             The dense path is taken where its predicted time x (1 + margin) is below the walk's.
     """
