@@ -145,7 +145,9 @@ def test_overlap_paper_model_by_hand(tmp_path):
     path = tmp_path / "launch_model.json"
     path.write_text(json.dumps(launch))
     out = async_overlap.paper(
-        argparse.Namespace(launch_json=str(path), walk_speedup="", gpus=8, utilisation=[1.0, 0.5])
+        argparse.Namespace(
+            launch_json=str(path), walk_speedup="", gpus=8, utilisation=[1.0, 0.5], proximal_pass=1 / 3
+        )
     )
     rows = {(r["model"], r["u_sync"]): r for r in out["rows"]}
     assert len(rows) == 4
@@ -153,6 +155,9 @@ def test_overlap_paper_model_by_hand(tmp_path):
     assert r["sync_walk"] == pytest.approx((1 + 1.28) / (1 + 0.512))
     assert r["split"] == "5 gen + 3 train" and r["async_walk"] == pytest.approx((1 + 1.28) / 8 / (1 / 5))
     assert r["async_trainer_wait_share"] == pytest.approx(1 - (0.512 / 3) / (1 / 5))
+    # a separate proximal forward (a third of the walk) on the training side: 5 + 3 still, training-bound
+    assert r["proximal_split"] == "5 gen + 3 train"
+    assert r["async_walk_proximal"] == pytest.approx((1 + 1.28) / 8 / (0.512 * 4 / 3 / 3))
     half = rows["Qwen3-1.7B", 0.5]  # the synchronous engine idle half its phase: async is not
     assert (
         half["async_walk"] == pytest.approx((2 + 1.28) / 8 / (1 / 5))
