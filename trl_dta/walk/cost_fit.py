@@ -16,6 +16,10 @@ The unknowns are the ratios of the constants to a prior (the shipped ones, or th
 observation's residual is relative (a 2 ms call weighs as much as a 2 s walk), and ``prior_weight`` pulls
 each ratio toward 1, so that directions the data do not determine (no attention pairs measured yet, every
 walk of the same shape) keep the prior. Solver: ``scipy.optimize.nnls`` (the constants are >= 0).
+
+:func:`fixed_uncertainty` says how well the observations determine ``fixed``: calls of thousands of tokens
+pay it as a few per cent of their time, below the clock's noise, so a fit from merged calls alone cannot
+recover it (the cost model then explores: :mod:`trl_dta.walk.cost_model`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import numpy as np
 # the squared weight of each ratio's pull toward the prior, against one observation's relative residual:
 # enough to hold a direction no observation determines, too little to slow a fit away from a wrong prior
 PRIOR_WEIGHT = 1e-4
+NOISE_FLOOR = 0.02  # the relative noise of a measured call assumed at least (fixed_uncertainty)
 
 
 class Constants(NamedTuple):
@@ -103,6 +108,31 @@ def fit_constants(
         if best is None or residual < best[1]:
             best = (ratios, residual)
     return _constants(best[0], base), best[1]
+
+
+def fixed_uncertainty(observations: Sequence[Observation], constants: Constants, overlap: bool) -> float:
+    """The relative standard error of ``fixed`` that ``observations`` give about ``constants`` (a fit of
+    them): ``sigma x sqrt((A^T A)^-1)`` of the fit's relative design ``A``, ``sigma`` its residual, at least
+    ``NOISE_FLOOR`` (a clock is never exact: a noiseless fit would call any design determined). Where costs
+    overlap, only launch-bound observations measure ``fixed``. Infinite where none does."""
+    rows = [o for o in observations if o.seconds > 0 and any(t > 0 for t in o.terms)]
+    base = np.maximum(np.array(constants, dtype=np.float64), 1e-30)
+    if not rows or constants.fixed <= 0:
+        return float("inf")
+    terms = np.array([o.terms for o in rows], dtype=np.float64)
+    a = terms * base / np.array([o.seconds for o in rows])[:, None]  # (ratios of 1: these constants)
+    if overlap:
+        a = _masked(a, a[:, 0] > a[:, 1:].sum(axis=1))
+    if not a[:, 0].any():
+        return float("inf")
+    a = a[:, a.any(axis=0)]  # (a constant no observation pays is not the question; ``fixed`` stays first)
+    sigma = max(_residual(a, np.ones(a.shape[1])), NOISE_FLOOR)
+    gram = a.T @ a
+    try:
+        variance = np.linalg.inv(gram)[0, 0]
+    except np.linalg.LinAlgError:
+        return float("inf")
+    return float(sigma * np.sqrt(max(variance, 0.0))) if np.isfinite(variance) else float("inf")
 
 
 def _starts(a: np.ndarray, prior_weight: float, target: np.ndarray) -> list[np.ndarray]:

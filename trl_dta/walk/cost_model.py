@@ -19,6 +19,14 @@ timed walks, only one walk in ``SAMPLE_EVERY`` is timed. Every adopted fit is ke
 (:mod:`trl_dta.walk.cost_cache`) under the device's name and the model's signature; the next run starts
 from it.
 
+Exploration: merged calls of thousands of tokens pay ``fixed`` as a few per cent of their time, so a fit of
+them cannot tell it (:func:`~trl_dta.walk.cost_fit.fixed_uncertainty`), and the fit would never see the small
+calls whose cost it decides. So where a run starts from the prior (no cached fit) and its first timed walk
+leaves ``fixed`` uncertain by more than ``EXPLORE_ABOVE``, one gradient walk is planned unmerged (launches
+priced at 0: a call per node, or per leaf batch; any plan is exact) and timed; its calls stay in the fit
+beside the window (they are the calls that determine ``fixed``). One walk per run, once per device and
+model: the next run starts from the cache.
+
 Modes (``tree_cost_fit``): ``"auto"`` starts from the cached fit or the shipped constants and fits online;
 ``"reset"`` forgets the cached fit and starts from the shipped constants; ``"frozen"`` uses the cached fit
 (or the shipped constants) and never times or writes. (``"off"``, the shipped constants alone, is no
@@ -35,7 +43,7 @@ from dataclasses import replace
 import torch
 
 from .cost_cache import CostCache, device_name, model_signature
-from .cost_fit import Constants, Observation, fit_constants
+from .cost_fit import Constants, Observation, fit_constants, fixed_uncertainty
 from .costs import CallCost, device_costs
 from .plan import PackedSubtree, Pop, Push, SiblingLeaves, step_terms
 
@@ -46,6 +54,8 @@ MIN_OBSERVATIONS = 8  # before the fit replaces the prior
 REPLAN = 0.03  # a fit that moves an observation's predicted time by more than this is adopted
 STABLE = 5  # timed walks without a change of constants, after which only a sample is timed
 SAMPLE_EVERY = 10
+EXPLORE_ABOVE = 0.25  # the relative standard error of ``fixed`` above which a walk explores (docstring)
+EXPLORE_WALKS = 1  # at most, per run
 
 
 class CostModel:
@@ -74,6 +84,10 @@ class CostModel:
         self.residual = 0.0
         self.observed = 0  # observations measured in all (with the cached fit's)
         self.window: deque[Observation] = deque(maxlen=WINDOW)
+        self.anchors: list[Observation] = []  # the explored walk's calls: kept in the fit (docstring)
+        self.explored = 0  # walks planned unmerged to measure ``fixed``
+        self._from_cache = False
+        self._exploring = False
         self.overhead_s = 0.0  # CPU: a walk's time outside its calls
         self.last_walk_s: float | None = None  # the latest measured gradient walk
         self.last_terms: tuple | None = None  # the latest timed walk's summed terms
@@ -112,6 +126,7 @@ class CostModel:
             cached = self.cache.load(self.key)
         if cached is not None:
             self.active, self.observed = cached
+            self._from_cache = True
             logger.info("Call costs from the cache (%s): %s", self.key, self.active)
 
     @property
@@ -133,6 +148,26 @@ class CostModel:
         """Seconds of ``terms`` ``(calls, tokens, pairs, scored)`` by ``constants`` (default: in use)."""
         return (constants or self.active).seconds(terms, self.template.overlap)
 
+    def explores(self) -> bool:
+        """Whether the gradient walk about to be planned should explore (module docstring): the run started
+        from the prior, a timed walk has left ``fixed`` uncertain, and no walk has explored yet. The
+        executor then plans it with launches priced at 0, and :meth:`timing` times it."""
+        self._collect()
+        self._exploring = (
+            self.mode != "frozen"
+            and not self._from_cache
+            and self.explored < EXPLORE_WALKS
+            and bool(self.window)
+            and self.uncertainty() > EXPLORE_ABOVE
+        )
+        return self._exploring
+
+    def uncertainty(self) -> float:
+        """The relative standard error of the fitted ``fixed``
+        (:func:`~trl_dta.walk.cost_fit.fixed_uncertainty`)."""
+        fitted = self.fitted or self.active
+        return fixed_uncertainty([*self.anchors, *self.window], fitted, self.template.overlap)
+
     # ------------------------------------------------------------------ timing the walks
     def timing(self, plan, packed: bool, node_from=None) -> _Timing | None:
         """The timer of a gradient walk of ``plan`` about to start; None where this walk is not timed."""
@@ -140,6 +175,10 @@ class CostModel:
         if self.mode == "frozen":
             return None
         self._walks += 1
+        exploring, self._exploring = self._exploring, False
+        if exploring:
+            self.explored += 1
+            return _Timing(self, plan, packed, node_from, anchor=True)
         if self._walks == 1:  # (the first walk warms up: lazy initialisation, allocator growth)
             return None
         if self._unchanged >= STABLE and self._walks % SAMPLE_EVERY:
@@ -154,19 +193,28 @@ class CostModel:
                 continue
             start, end = timing.events
             seconds = start.elapsed_time(end) / 1e3
-            self.add([Observation(*timing.totals(), seconds)], walk_s=seconds)
+            self.add([Observation(*timing.totals(), seconds)], walk_s=seconds, anchor=timing.anchor)
 
-    def add(self, observations: list[Observation], walk_s: float, calls_s: float | None = None) -> None:
+    def add(
+        self, observations: list[Observation], walk_s: float, calls_s: float | None = None, anchor=False
+    ) -> None:
         """Record a timed walk: its ``observations``, its seconds, and (CPU) the seconds of its calls; refit,
-        and adopt the fit where it moves the predicted times by more than ``REPLAN`` (:meth:`change`)."""
+        and adopt the fit where it moves the predicted times by more than ``REPLAN`` (:meth:`change`).
+        ``anchor``: an explored walk, whose observations stay in the fit (module docstring)."""
         self.last_walk_s = walk_s
         if calls_s is not None:  # (a running mean of what the calls leave out)
             self.overhead_s += 0.3 * (max(walk_s - calls_s, 0.0) - self.overhead_s)
-        self.window.extend(observations)
+        if anchor:
+            self.anchors = [*self.anchors, *observations][-WINDOW:]
+        else:
+            self.window.extend(observations)
         self.observed += len(observations)
         self.last_terms = tuple(sum(o.terms[k] for o in observations) for k in range(4))
         self.fitted, self.residual = fit_constants(
-            self.window, self.fitted or self.active, self.template.overlap, scale=self.prior
+            [*self.anchors, *self.window],
+            self.fitted or self.active,
+            self.template.overlap,
+            scale=self.prior,
         )
         if self.observed < MIN_OBSERVATIONS:
             return
@@ -181,14 +229,14 @@ class CostModel:
             self._unchanged += 1
 
     def change(self) -> float:
-        """How much the latest fit moves the predicted time of any observation in the window from the
+        """How much the latest fit moves the predicted time of any observation in the fit from the
         constants in use (the largest relative change: a constant that only calls of one shape pay for still
         counts; a fit that moves what no walk pays for does not)."""
-        if self.fitted is None or not self.window:
+        if self.fitted is None or not (self.window or self.anchors):
             return 0.0
         return max(
             abs(self.seconds(o.terms, self.fitted) / max(self.seconds(o.terms), 1e-30) - 1)
-            for o in self.window
+            for o in (*self.anchors, *self.window)
         )
 
     def metrics(self) -> dict[str, float]:
@@ -212,8 +260,9 @@ class CostModel:
 class _Timing:
     """One timed gradient walk: per call on the host's clock (CPU), or two CUDA events around the walk."""
 
-    def __init__(self, model: CostModel, plan, packed: bool, node_from):
+    def __init__(self, model: CostModel, plan, packed: bool, node_from, anchor: bool = False):
         self.model, self.plan, self.packed, self.node_from = model, plan, packed, node_from
+        self.anchor = anchor
         self.events = None
         self.ended = False
         self.observations: list[Observation] = []
@@ -249,7 +298,8 @@ class _Timing:
             self.events[1].record()  # (read by CostModel._collect at a later walk)
             return
         walk_s = time.perf_counter() - self._started
-        self.model.add(self.observations, walk_s, calls_s=sum(o.seconds for o in self.observations))
+        calls_s = sum(o.seconds for o in self.observations)
+        self.model.add(self.observations, walk_s, calls_s=calls_s, anchor=self.anchor)
 
     def totals(self) -> tuple:
         return plan_terms(self.plan, self.model.template, self.packed, self.node_from)

@@ -34,6 +34,7 @@ import math
 import numbers
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TypeVar
 
 import torch
@@ -180,22 +181,32 @@ class TreeExecutor:
         trainers log as ``tree/oom_retries``."""
         return 0 if self.oom_recovery is None else self.oom_recovery.take_retries()
 
-    def plan(self, trie: PrefixTrie, entropy_grad: bool = True, record: bool = True) -> list:
+    def plan(self, trie: PrefixTrie, entropy_grad: bool = True, record: bool = True, explore=False) -> list:
         """The steps a walk of ``trie`` runs (:func:`trl_dta.walk.plan.build_plan`) with this executor's
         budgets and the call cost model of its device and attention kernel (fitted, with a
-        :attr:`cost_model`); records the budgets as ``budgets.in_use`` (unless not ``record``)."""
+        :attr:`cost_model`); records the budgets as ``budgets.in_use`` (unless not ``record``). ``explore``:
+        within the same budgets, merge nothing (launches priced at 0), so that the cost model measures
+        small calls (:mod:`trl_dta.walk.cost_model`)."""
         budgets = self.token_budgets(trie, entropy_grad)
         if record:
             self.budgets.use(budgets, self.lm.name)
         subtree = budgets.subtree_tokens if self.pack_leaves else 0
         costs = self.call_cost
-        if costs is None and self.budgets.memory is not None:  # (fixed budgets: each leaf batch filled)
+        if costs is None and (self.budgets.memory is not None or explore):  # (else each leaf batch filled)
             costs = self.fitted_costs() or CallCost.for_model(
                 self.lm.config, self.device.type, self.lm.block_sparse
             )
+            costs = replace(costs, fixed=0.0) if explore else costs
         return build_plan(
             trie, budgets.block_size, budgets.batch_tokens, self.pack_leaves, subtree, costs=costs
         )
+
+    def _cost_model_explores(self) -> bool:
+        """Whether the cost model asks this gradient walk to explore (never with a pinned call_cost)."""
+        if self.cost_model is None:
+            return False
+        self.cost_model.start(self.lm, self.device)
+        return self.cost_model.explores()
 
     def fitted_costs(self) -> CallCost | None:
         """The call costs fitted on this device (:attr:`cost_model`), once calibrated; else None."""
@@ -355,7 +366,8 @@ class TreeExecutor:
             seq_from, node_from = scored_from(trie, score_from)
             entropy_grad = grad and entropies and entropy_grad
             started = time.perf_counter()
-            plan = self.plan(trie, entropy_grad)
+            explore = grad and self.call_cost is None and self._cost_model_explores()
+            plan = self.plan(trie, entropy_grad, explore=explore)
             path_kv = PathKV(capacity(plan, self.pack_leaves))
             walk = Walk(
                 trie, temperature, entropies, grad, on_sequence, path_kv, seq_from,
