@@ -284,6 +284,8 @@ def test_a_step_on_the_dense_path_equals_the_walk(model_dir, tmp_path):
         )
         paths = [log["tree/path"] for log in trainer.state.log_history if "tree/path" in log]
         assert paths == ([1.0, 1.0] if mode == "always" else [0.0, 0.0])
+        timed = [log["tree/dense_s"] for log in trainer.state.log_history if "tree/dense_s" in log]
+        assert len(timed) == (mode == "always")  # (the first dense step's, at the second's decision)
         staleness = [
             log["staleness/train_max"] for log in trainer.state.log_history if "staleness/train_max" in log
         ]

@@ -24,7 +24,7 @@ from trl_dta.train.dense_fallback import checked_mode, dense_terms
 from trl_dta.train.step import StepSequence, StepWalker
 from trl_dta.walk.cost_cache import CostCache
 from trl_dta.walk.cost_fit import Constants, Observation, fit_constants
-from trl_dta.walk.cost_model import MIN_OBSERVATIONS, CostModel, call_terms, plan_terms
+from trl_dta.walk.cost_model import EXPLORE_ABOVE, MIN_OBSERVATIONS, CostModel, call_terms, plan_terms
 from trl_dta.walk.costs import CallCost
 from trl_dta.walk.plan import build_plan, plan_seconds
 
@@ -172,6 +172,66 @@ def test_a_walk_on_this_cpu_is_timed_fitted_and_kept(tmp_path):
     assert "cpu" in cost_model.key and "qwen3" in cost_model.key
 
 
+def _calls(sizes, true: Constants, rng: random.Random, noise: float = 0.03) -> list[Observation]:
+    """One measured call per size: ``t`` tokens on no past, every token scored, a noisy clock."""
+    return [
+        Observation(
+            1, t, t * t / 2, t, true.seconds((1, t, t * t / 2, t), False) * (1 + rng.uniform(-noise, noise))
+        )
+        for t in sizes
+    ]
+
+
+def test_large_calls_leave_fixed_uncertain_and_one_explored_walk_determines_it(tmp_path):
+    """Calls of thousands of tokens pay ``fixed`` as ~1% of their time: the fit cannot tell it, so the next
+    walk explores (once) and its small calls, kept beside the window, determine it."""
+    true = Constants(fixed=1.5e-2, per_token=1e-3, per_pair=3e-7, per_scored=1e-5)  # (the 8-layer CPU fit)
+    rng = random.Random(0)
+    model = CostModel("auto", cache_dir=tmp_path)
+    model.initialise(_costs(true, False), true, "simulated")
+    assert not model.explores()  # (nothing timed yet: no reason)
+    model.add(_calls([2000, 3000, 1500, 2600, 1800] * 2, true, rng), walk_s=1.0)
+    assert model.uncertainty() > EXPLORE_ABOVE and model.explores()
+    timing = model.timing([], True)
+    assert timing is not None and timing.anchor and model.explored == 1
+    model.add(_calls([16, 40, 120, 300, 700, 64], true, rng), walk_s=1.0, anchor=True)
+    assert model.uncertainty() < 0.1 and not model.explores()  # (determined; and one walk per run)
+    for _ in range(12):  # large calls again, more than the window holds: the explored calls stay
+        model.add(_calls([2000, 3000, 1500, 2600, 1800, 2200], true, rng), walk_s=1.0)
+    assert abs(model.fitted.fixed / true.fixed - 1) < 0.25 and model.uncertainty() < EXPLORE_ABOVE
+    cached = CostModel("auto", cache_dir=tmp_path)  # the next run starts from the cache: no exploration
+    cached.initialise(_costs(true, False), true, "simulated")
+    cached.add(_calls([2000, 3000], true, rng), walk_s=1.0)
+    assert cached.calibrated and not cached.explores()
+
+
+def test_an_exploring_walk_is_planned_unmerged_and_stays_exact(tmp_path):
+    """On this CPU: constants whose fixed cost merges every call (x1000) give walks of one or two calls, so
+    the third walk explores: planned with launches priced at 0, more calls; the gradients equal a merged
+    walk's."""
+    from dataclasses import replace
+
+    from trl_dta import TreeExecutor
+
+    model = tiny_model().double().train()  # (fp64: the two plans' sums in other orders agree to ~1e-12)
+    shipped = CallCost.for_model(model.config, "cpu")
+    cost_model = CostModel("reset", cache_dir=tmp_path, prior=replace(shipped, fixed=1000 * shipped.fixed))
+    executor = TreeExecutor(model, memory_budget=8e9, cost_model=cost_model)
+    trie, _ = _trie(random.Random(0), scale=1)
+    walks = []  # (explored?, forward calls, gradients) per walk
+    for _ in range(3):
+        model.zero_grad()
+        explored, forwards = cost_model.explored, executor.calls.forward
+        executor.backward(trie, lambda i, lp, e: -lp.sum())
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        walks.append((cost_model.explored > explored, executor.calls.forward - forwards, grads))
+    assert [w[0] for w in walks] == [False, False, True] and len(cost_model.anchors) > 2
+    (_, merged_calls, merged), (_, explored_calls, explored) = walks[1], walks[2]
+    assert explored_calls > merged_calls
+    for a, b in zip(explored, merged, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
 # ---------------------------------------------------------------------- the dense fallback
 def _walker(mode: str, model, tmp_path, **more):
     args = SimpleNamespace(tree_dense_fallback=mode, tree_cost_cache=str(tmp_path), **more)
@@ -215,6 +275,35 @@ def test_the_dense_fallback_decides_by_the_fitted_costs(tmp_path):
     wide = _walker("auto", model, tmp_path, tree_dense_margin=100.0)
     _calibrate(wide, model, CPU)
     assert not wide.prefer_dense(model, _unshared())
+
+
+def test_dense_steps_are_timed_and_scale_the_dense_predictions(tmp_path):
+    """A step sent to the dense path is timed from the decision to the optimizer step (the trainers' callback
+    stops the clock); the measured over predicted seconds scale the next dense predictions, so a dense path
+    slower than priced sends later steps back to the walk. A walked step, or a no-gradient pass, is not
+    timed; a dense step that ends without an optimizer step is forgotten."""
+    from trl_dta.train.dense_fallback import DenseClockCallback
+
+    model = tiny_model().train()
+    walker = _walker("auto", model, tmp_path)
+    _calibrate(walker, model, CPU)
+    clock, metrics = walker.dense_clock, defaultdict(list)
+    assert walker.prefer_dense(model, _unshared(), metrics=metrics) and clock.scale == 1.0
+    DenseClockCallback(clock).on_pre_optimizer_step(None, None, None)  # (the optimizer step)
+    assert clock.last_s > 0 and len(clock.ratios) == 1 and "tree/dense_s" not in metrics
+    assert walker.prefer_dense(model, _unshared(), metrics=metrics)  # (still faster: this CPU is quick)
+    assert metrics["tree/dense_s"] == [clock.last_s] and metrics["tree/dense_scale"][0] == clock.scale
+    clock.cancel()  # (as at the next decision: this one ended without an optimizer step)
+    clock.stop()
+    assert len(clock.ratios) == 1
+    clock.ratios.extend([1e4] * clock.WINDOW)  # measured 10^4 x slower than priced: the walk wins again
+    assert not walker.prefer_dense(model, _unshared(), metrics=metrics)
+    assert metrics["tree/dense_scale"][-1] == pytest.approx(1e4)
+    assert walker.prediction.dense_s > walker.prediction.walk_s
+    clock.stop()  # (a walked step ran nothing on the clock)
+    assert len(clock.ratios) == clock.WINDOW and clock.last_s == metrics["tree/dense_s"][0]
+    walker.prefer_dense(model, _unshared(), timed=False)  # (a no-gradient pass: never timed)
+    assert clock._running is None
 
 
 def test_dense_terms_are_one_padded_call_per_micro_batch():

@@ -344,3 +344,5 @@ def test_a_step_on_the_dense_path_equals_stock_trl(tmp_path, model_dir):
     paths = [log["tree/path"] for log in trainer.state.log_history if "tree/path" in log]
     assert paths == [1.0, 1.0]
     assert not any("tree/time_s" in log for log in trainer.state.log_history)  # nothing walked
+    timed = [log["tree/dense_s"] for log in trainer.state.log_history if "tree/dense_s" in log]
+    assert len(timed) == 1 and timed[0] > 0  # (the first dense step, measured; logged at the next decision)

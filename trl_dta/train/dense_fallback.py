@@ -13,16 +13,23 @@ Before a step, the fitted cost model (:mod:`trl_dta.walk.cost_model`) predicts t
 The step goes dense where ``dense x (1 + margin) < walk``. The dense side is priced with the walk's own
 constants, whose fixed cost per call also holds the walk's bookkeeping (its K/V buffers, its loss per
 sequence): a dense call costs at most that, so the comparison leans toward the walk, and the margin leans
-further. Gradients are the same either way (TRL's own loss and backward), so exactness does not depend on
-the choice. Modes: "auto" (decide per step, from the first, by the constants in use: the shipped ones, a
-cached fit or this run's; a step that walks is timed and refines them), "never" (always walk), "always"
-(always dense).
+further. The steps that go dense are timed (:class:`DenseClock`: from the decision to the optimizer step),
+and the dense side's predictions are scaled by how far the measured ones were off. Gradients are the same
+either way (TRL's own loss and backward), so exactness does not depend on the choice. Modes: "auto" (decide
+per step, from the first, by the constants in use: the shipped ones, a cached fit or this run's; a step that
+walks is timed and refines them), "never" (always walk), "always" (always dense).
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
+
+import torch
+from transformers import TrainerCallback
 
 from ..trie import PrefixTrie
 from ..walk.cost_model import CostModel, plan_terms
@@ -70,8 +77,76 @@ def dense_terms(sequences: Sequence, checkpointing: bool = False) -> tuple[float
     return calls, tokens, pairs, scored
 
 
+class DenseClock:
+    """Times the steps that take the dense path, from the decision (the step's first micro-batch) to its
+    optimizer step (:class:`DenseClockCallback`): forwards, backwards and what lies between them, as the
+    walk's step has its own. On a CPU by the monotonic clock; on CUDA by two events read once the device has
+    passed them (at a later decision: no host sync). :attr:`scale`: the geometric mean of measured over
+    predicted seconds of the last ``WINDOW`` timed dense steps (1 before any), which scales the dense side's
+    next predictions."""
+
+    WINDOW = 8
+
+    def __init__(self):
+        self.ratios: deque[float] = deque(maxlen=self.WINDOW)
+        self.last_s: float | None = None  # the latest measured dense step
+        self._running: tuple | None = None  # (predicted seconds, start: a time or a CUDA event)
+        self._pending: list[tuple] = []  # CUDA: (predicted, start event, end event)
+
+    @property
+    def scale(self) -> float:
+        self._collect()
+        return math.exp(sum(map(math.log, self.ratios)) / len(self.ratios)) if self.ratios else 1.0
+
+    def start(self, predicted_s: float, device: torch.device) -> None:
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._running = (predicted_s, event)
+        else:
+            self._running = (predicted_s, time.perf_counter())
+
+    def cancel(self) -> None:
+        """Forget a dense step that ended without an optimizer step (an evaluation, an interrupted step)."""
+        self._running = None
+
+    def stop(self) -> None:
+        """At the optimizer step (nothing running: a walked step)."""
+        if self._running is None:
+            return
+        predicted, start = self._running
+        self._running = None
+        if isinstance(start, float):
+            self._add(predicted, time.perf_counter() - start)
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((predicted, start, end))
+
+    def _collect(self) -> None:
+        while self._pending and self._pending[0][2].query():
+            predicted, start, end = self._pending.pop(0)
+            self._add(predicted, start.elapsed_time(end) / 1e3)
+
+    def _add(self, predicted: float, seconds: float) -> None:
+        self.last_s = seconds
+        if predicted > 0 and seconds > 0:
+            self.ratios.append(seconds / predicted)
+
+
+class DenseClockCallback(TrainerCallback):
+    """Stops a trainer's :class:`DenseClock` at each optimizer step (after gradient clipping, before the
+    optimizer's update)."""
+
+    def __init__(self, clock: DenseClock):
+        self.clock = clock
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.clock.stop()
+
+
 def predict(executor, trie, sequences: Sequence, no_grad_passes: float = 0.0, checkpointing: bool = False,
-            margin: float = 0.1) -> Prediction:  # fmt: skip
+            margin: float = 0.1, dense_scale: float = 1.0) -> Prediction:  # fmt: skip
     """The walk's and the dense path's predicted seconds for a step (module docstring), by ``executor``'s
     cost model (a :class:`~trl_dta.walk.executor.TreeExecutor` with one)."""
     model: CostModel = executor.cost_model
@@ -80,13 +155,13 @@ def predict(executor, trie, sequences: Sequence, no_grad_passes: float = 0.0, ch
     _, node_from = scored_from(trie, [s.score_from for s in sequences])
     walk = model.seconds(plan_terms(plan, model.template, executor.pack_leaves, node_from)) + model.overhead_s
     step = walk * (1 + NO_GRAD_SHARE * no_grad_passes)
-    dense = model.seconds(dense_terms(sequences, checkpointing))
+    dense = model.seconds(dense_terms(sequences, checkpointing)) * dense_scale
     return Prediction(walk, step, dense, dense * (1 + margin) < step)
 
 
 def decide(
     executor, sequences: Sequence, mode: str, margin: float, walk_only: bool,
-    no_grad_passes: float = 0.0, checkpointing: bool = False, metrics=None,
+    no_grad_passes: float = 0.0, checkpointing: bool = False, metrics=None, clock: DenseClock | None = None,
 ) -> tuple[Prediction | None, bool]:  # fmt: skip
     """The prediction for a step of ``sequences`` (None without a cost model or sequences) and whether it
     takes the dense path: ``mode`` "always" and "never" say so; "auto" says dense where the prediction
@@ -96,15 +171,25 @@ def decide(
     walks the trainer makes before the gradient walk (an accuracy pass); ``checkpointing``: the dense path
     recomputes its forward. Logs ``tree/path`` (1: dense, 0: the walk), ``tree/predicted_s`` and
     ``tree/predicted_dense_s`` into ``metrics``; for a dense step also the trie's ``tree/tokens``,
-    ``tree/unique_tokens`` and ``tree/dedup_ratio`` (a walked step's walk logs them)."""
+    ``tree/unique_tokens`` and ``tree/dedup_ratio`` (a walked step's walk logs them). ``clock``: times a
+    dense step, and scales the dense predictions (:class:`DenseClock`; its latest measured step and scale
+    logged as ``tree/dense_s`` and ``tree/dense_scale``)."""
     prediction, dense, trie = None, mode == "always", None
+    if clock is not None:
+        clock.cancel()  # (a dense step that ended without an optimizer step is not timed)
+    scale = clock.scale if clock is not None else 1.0
     if sequences and executor.cost_model is not None:
         trie = PrefixTrie.from_sequences([s.tokens for s in sequences])
-        prediction = predict(executor, trie, sequences, no_grad_passes, checkpointing, margin)
+        prediction = predict(executor, trie, sequences, no_grad_passes, checkpointing, margin, scale)
         auto = mode == "auto" and not walk_only
         dense = dense or (auto and prediction.dense)
+        if dense and clock is not None:
+            clock.start(prediction.dense_s / scale, executor.device)  # (its prediction before scaling)
     if metrics is not None:
         metrics["tree/path"].append(float(dense))
+        if clock is not None and clock.last_s is not None:
+            metrics["tree/dense_s"].append(clock.last_s)
+            metrics["tree/dense_scale"].append(scale)
         if prediction is not None:
             metrics["tree/predicted_s"].append(prediction.walk_s)
             metrics["tree/predicted_dense_s"].append(prediction.dense_s)

@@ -40,6 +40,7 @@ from trl.trainer.utils import split_tensor_dict
 
 from ..vllm import VLLMMixin
 from . import ppo_repartition
+from .dense_fallback import DenseClockCallback
 from .ppo_config import TreePPOConfig
 from .ppo_losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
 from .ppo_rows import concat_batches, take_rows
@@ -94,6 +95,7 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         a = self.args
         self._walker = StepWalker(a, self.accelerator, self.model)
+        self.add_callback(DenseClockCallback(self._walker.dense_clock))  # (times dense steps)
         self._walker.reserve(self.vllm_reserved_bytes())  # (a colocated vLLM engine's share, VLLMMixin)
         self._tree_pending: dict[int, Walked] = {}  # walked micro-batches of this step, by buffer index
         self._tree_position = 0  # micro-batches of the current optimizer step served so far
@@ -174,7 +176,7 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         seqs, owners = step_sequences([batch], keep_prompt_only=self.aux_loss_enabled)
         chunk = batch_size or input_ids.shape[0]  # (TRL's dense pass forwards the rows chunk by chunk)
         chunked = [s._replace(batch=o.row // chunk) for s, o in zip(seqs, owners, strict=True)]
-        if self._walker.prefer_dense(model, chunked):  # (tree_dense_fallback: TRL's own pass, same values)
+        if self._walker.prefer_dense(model, chunked, timed=False):  # (tree_dense_fallback: TRL's own pass)
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
                 compute_aux_loss,

@@ -54,7 +54,7 @@ from ..walk.cost_model import CostModel
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
 from ..walk.preflight import preflight
-from .dense_fallback import Prediction, checked_mode, decide
+from .dense_fallback import DenseClock, Prediction, checked_mode, decide
 from .gradient_check import GradientCheck
 from .load_balancing import step_router_grad
 from .multi_process import StepFlow, check_distributed
@@ -111,6 +111,7 @@ class StepWalker:
         self.dense_fallback = checked_mode(_option(args, "tree_dense_fallback"), self.walk_only)
         self.dense_margin = _option(args, "tree_dense_margin")
         self.prediction: Prediction | None = None  # prefer_dense's last
+        self.dense_clock = DenseClock()  # (the trainer stops it at each optimizer step: DenseClockCallback)
 
     def executor(self, model) -> TreeExecutor:
         """The executor of ``model`` (the trainer's, wrapped or not; built, and probed, at the first call)."""
@@ -213,15 +214,17 @@ class StepWalker:
         return StepWalk(self, model, sequences, training, metrics, check, prefix)
 
     def prefer_dense(self, model, sequences: Sequence[StepSequence], *, no_grad_passes: float = 0.0,
-                     checkpointing: bool = False, metrics=None) -> bool:  # fmt: skip
+                     checkpointing: bool = False, metrics=None, timed: bool = True) -> bool:  # fmt: skip
         """Whether the step of ``sequences`` should take TRL's dense path instead of the walk
         (``tree_dense_fallback``: :func:`trl_dta.train.dense_fallback.decide`, which documents the arguments);
         logs ``tree/path`` and the predicted seconds into ``metrics``; the prediction stays in
-        :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks."""
+        :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks. ``timed``: a
+        training step, whose dense path :attr:`dense_clock` times to the optimizer step (False: a no-gradient
+        pass)."""
         mode = "never" if self.check_gradients and self.dense_fallback == "auto" else self.dense_fallback
         self.prediction, dense = decide(
             self.executor(model), sequences, mode, self.dense_margin, self.walk_only, no_grad_passes,
-            checkpointing, metrics,
+            checkpointing, metrics, self.dense_clock if timed else None,
         )  # fmt: skip
         return dense
 
