@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from scipy.optimize import nnls
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_dta import PrefixTrie, TreeExecutor
@@ -54,18 +55,9 @@ def timed_call(executor, past: int, tokens: int, repeats: int, device) -> float:
     return statistics.median(times[1:])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=576)  # SmolLM2-135M's widths
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default="")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    config, model = measured_model(args.hidden, args.layers, device)
+def measure(config, model, device, repeats: int = 3) -> tuple[dict, list[dict]]:
+    """Time the grid of calls and fit the constants: ``(fit, rows)``, the fit as ``layer_call_s`` and the two
+    FLOP rates (``cost_fit.py`` calls it too, to compare its online fit in the same conditions)."""
     # FLOPs per token (matmuls) and per attention pair, whole model, forward + backward: the cost model's
     # per-token and per-pair seconds times the rate they were computed at
     reference = CallCost.for_model(config, device.type)
@@ -75,7 +67,7 @@ def main() -> None:
     rows = []
     for past in (0, 512, 2048):
         for tokens in (16, 128, 512, 1024):
-            seconds = timed_call(executor, past, tokens, args.repeats, device)
+            seconds = timed_call(executor, past, tokens, repeats, device)
             if (
                 past
             ):  # the past pushed (causal, no mask: half its square), two leaves on it (masked: rectangles)
@@ -89,20 +81,41 @@ def main() -> None:
             rows.append({"past": past, "tokens": tokens, "calls": calls, "forwarded": forwarded,
                          "pairs": pairs, "seconds": seconds})  # fmt: skip
             print(f"past {past:5d} tokens {tokens:5d}: {seconds * 1e3:8.1f} ms", flush=True)
-    # seconds = fixed x calls + per_token x forwarded + per_pair x pairs, by least squares
-    a = np.array([[r["calls"], r["forwarded"], r["pairs"]] for r in rows], dtype=float)
+    # seconds = overhead + fixed x calls + per_token x forwarded + per_pair x pairs, by non-negative least
+    # squares of relative residuals, as the online fit (trl_dta/walk/cost_model.py) models a walk: a 16-token
+    # call weighs as much as a 4k-token one, and the walk's own time outside its calls (its plan, its inputs)
+    # is a per-walk overhead, not part of the fixed cost per call
+    a = np.array([[1, r["calls"], r["forwarded"], r["pairs"]] for r in rows], dtype=float)
     y = np.array([r["seconds"] for r in rows])
-    (fixed, per_token, per_pair), *_ = np.linalg.lstsq(a, y, rcond=None)
+    scale = a.max(axis=0)  # (columns of unit size, for the solver)
+    (overhead, fixed, per_token, per_pair) = nnls(a / scale / y[:, None], np.ones(len(y)))[0] / scale
     layers = config.num_hidden_layers
     fit = {
+        "walk_overhead_s": overhead,
         "layer_call_s": fixed / layers,
         "matmul_flop_rate": token_flops / per_token if per_token > 0 else None,
         "attention_flop_rate": pair_flops / per_pair if per_pair > 0 else None,
     }
+    return fit, rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=576)  # SmolLM2-135M's widths
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    config, model = measured_model(args.hidden, args.layers, device)
+    fit, rows = measure(config, model, device, args.repeats)
     print(json.dumps(fit, indent=1))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        out = {"device": args.device, "threads": args.threads, "hidden": args.hidden, "layers": layers,
+        out = {"device": args.device, "threads": args.threads, "hidden": args.hidden, "layers": args.layers,
                "rows": rows, "fit": fit}  # fmt: skip
         (Path(args.out) / f"call_costs_{device.type}.json").write_text(json.dumps(out, indent=1))
 

@@ -129,8 +129,8 @@ if [ $DRY = 1 ]; then
     "$PY" benchmarks/launch_model.py --scales 0.125 --cards "" --launch_factors 2 --out "$OUT_DIR" 2>&1 \
         | tee "$OUT_DIR/launch_model.log" | grep -v -i warn | tail -n 2
     echo "== cost model fitted online on CPU (smoke: 2 layers, 3 steps)"
-    "$PY" benchmarks/cost_fit.py --device cpu --hidden 64 --layers 2 --steps 3 --compare 1 --threads 1 \
-        --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/cost_fit.log" | grep -v -i warn | tail -n 4
+    "$PY" benchmarks/cost_fit.py --device cpu --hidden 72 --layers 2 --steps 3 --compare 1 --threads 1 \
+        --offline docs/call-costs-cpu.json --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/cost_fit.log" | grep -v -i warn | tail -n 4
     echo "== device-sized walk on CPU (smoke: 1 layer, lengths x 1/32, sdpa only)"
     "$PY" benchmarks/device_walk.py --device cpu --layers 1 --scale 0.03125 --repeats 1 --out "$OUT_DIR" 2>&1 \
         | tee "$OUT_DIR/device_walk.log" | grep -v -i warn | tail -n 2
@@ -188,12 +188,13 @@ timeout 420 "$PY" benchmarks/launch_model.py --scales 0.125 --out "$OUT_DIR" 2>&
 
 # ---- 5c. the cost model fitted on this GPU (issue 41): the offline fit of call_costs.py, then the online fit
 # from the shipped constants and from their launch cost x4; prints the fitted constants, the plan before and
-# after calibration, and predicted against measured walk times (cost_fit_cuda.json); not fatal
+# after calibration, and predicted against measured walk times, on random steps and on peers.py's GPU shapes
+# (cost_fit_cuda.json); not fatal
 echo "== cost model fitted on this GPU (offline, then online)"
 timeout 150 "$PY" benchmarks/call_costs.py --device cuda --hidden 1152 --layers 8 --out "$OUT_DIR" 2>&1 \
     | tee "$OUT_DIR/cost_fit.log" | grep -v -i warn | tail -n 5 || echo "call costs: failed (not fatal)"
 timeout 240 "$PY" benchmarks/cost_fit.py --device cuda --hidden 1152 --layers 8 --memory 60e9 --steps 12 \
-    --offline "$OUT_DIR/call_costs_cuda.json" --out "$OUT_DIR" 2>&1 | tee -a "$OUT_DIR/cost_fit.log" \
+    --offline "$OUT_DIR/call_costs_cuda.json" --peers --out "$OUT_DIR" 2>&1 | tee -a "$OUT_DIR/cost_fit.log" \
     | grep -v -i warn | tail -n 32 || echo "cost fit: failed (not fatal)"
 
 # ---- 5b. memory next to a colocated vLLM engine (issue 33): walk vs dense + checkpointing CUDA peaks on the

@@ -24,7 +24,14 @@ from trl_dta.train.dense_fallback import checked_mode, dense_terms
 from trl_dta.train.step import StepSequence, StepWalker
 from trl_dta.walk.cost_cache import CostCache
 from trl_dta.walk.cost_fit import Constants, Observation, fit_constants
-from trl_dta.walk.cost_model import EXPLORE_ABOVE, MIN_OBSERVATIONS, CostModel, call_terms, plan_terms
+from trl_dta.walk.cost_model import (
+    EXPLORE_ABOVE,
+    EXPLORE_AFTER,
+    MIN_OBSERVATIONS,
+    CostModel,
+    call_terms,
+    plan_terms,
+)
 from trl_dta.walk.costs import CallCost
 from trl_dta.walk.plan import build_plan, plan_seconds
 
@@ -189,8 +196,10 @@ def test_large_calls_leave_fixed_uncertain_and_one_explored_walk_determines_it(t
     rng = random.Random(0)
     model = CostModel("auto", cache_dir=tmp_path)
     model.initialise(_costs(true, False), true, "simulated")
-    assert not model.explores()  # (nothing timed yet: no reason)
-    model.add(_calls([2000, 3000, 1500, 2600, 1800] * 2, true, rng), walk_s=1.0)
+    for _ in range(EXPLORE_AFTER):  # walks of large calls (the executor asks before each, then times it)
+        assert not model.explores()  # (the first walks may determine it by themselves)
+        model.timing([], True)
+        model.add(_calls([2000, 3000, 1500, 2600, 1800], true, rng), walk_s=1.0)
     assert model.uncertainty() > EXPLORE_ABOVE and model.explores()
     timing = model.timing([], True)
     assert timing is not None and timing.anchor and model.explored == 1
@@ -207,8 +216,8 @@ def test_large_calls_leave_fixed_uncertain_and_one_explored_walk_determines_it(t
 
 def test_an_exploring_walk_is_planned_unmerged_and_stays_exact(tmp_path):
     """On this CPU: constants whose fixed cost merges every call (x1000) give walks of one or two calls, so
-    the third walk explores: planned with launches priced at 0, more calls; the gradients equal a merged
-    walk's."""
+    a walk after the first ``EXPLORE_AFTER`` explores: planned with launches priced at 0, more calls; the
+    gradients equal a merged walk's."""
     from dataclasses import replace
 
     from trl_dta import TreeExecutor
@@ -219,14 +228,14 @@ def test_an_exploring_walk_is_planned_unmerged_and_stays_exact(tmp_path):
     executor = TreeExecutor(model, memory_budget=8e9, cost_model=cost_model)
     trie, _ = _trie(random.Random(0), scale=1)
     walks = []  # (explored?, forward calls, gradients) per walk
-    for _ in range(3):
+    for _ in range(EXPLORE_AFTER + 1):
         model.zero_grad()
         explored, forwards = cost_model.explored, executor.calls.forward
         executor.backward(trie, lambda i, lp, e: -lp.sum())
         grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
         walks.append((cost_model.explored > explored, executor.calls.forward - forwards, grads))
-    assert [w[0] for w in walks] == [False, False, True] and len(cost_model.anchors) > 2
-    (_, merged_calls, merged), (_, explored_calls, explored) = walks[1], walks[2]
+    assert [w[0] for w in walks] == [False] * EXPLORE_AFTER + [True] and len(cost_model.anchors) > 2
+    (_, merged_calls, merged), (_, explored_calls, explored) = walks[-2], walks[-1]
     assert explored_calls > merged_calls
     for a, b in zip(explored, merged, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)

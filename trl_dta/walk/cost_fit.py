@@ -112,9 +112,9 @@ def fit_constants(
 
 def fixed_uncertainty(observations: Sequence[Observation], constants: Constants, overlap: bool) -> float:
     """The relative standard error of ``fixed`` that ``observations`` give about ``constants`` (a fit of
-    them): ``sigma x sqrt((A^T A)^-1)`` of the fit's relative design ``A``, ``sigma`` its residual, at least
-    ``NOISE_FLOOR`` (a clock is never exact: a noiseless fit would call any design determined). Where costs
-    overlap, only launch-bound observations measure ``fixed``. Infinite where none does."""
+    them): ``sigma x sqrt([(A^T A)^-1]_00)`` of the fit's relative design ``A``, ``sigma`` its residual, at
+    least ``NOISE_FLOOR`` (a clock is never exact: a noiseless fit would call any design determined). Where
+    costs overlap, only launch-bound observations measure ``fixed``. Infinite where none does."""
     rows = [o for o in observations if o.seconds > 0 and any(t > 0 for t in o.terms)]
     base = np.maximum(np.array(constants, dtype=np.float64), 1e-30)
     if not rows or constants.fixed <= 0:
@@ -127,12 +127,15 @@ def fixed_uncertainty(observations: Sequence[Observation], constants: Constants,
         return float("inf")
     a = a[:, a.any(axis=0)]  # (a constant no observation pays is not the question; ``fixed`` stays first)
     sigma = max(_residual(a, np.ones(a.shape[1])), NOISE_FLOOR)
-    gram = a.T @ a
-    try:
-        variance = np.linalg.inv(gram)[0, 0]
-    except np.linalg.LinAlgError:
+    # ``fixed``'s variance is 1 / what of its column the other constants' columns do not explain (so
+    # collinear other columns, scored positions that are all the tokens say, do not matter)
+    fixed, others = a[:, 0], a[:, 1:]
+    if others.shape[1]:
+        fixed = fixed - others @ np.linalg.lstsq(others, fixed, rcond=None)[0]
+    unexplained = float(fixed @ fixed)
+    if unexplained <= 1e-12 * float(a[:, 0] @ a[:, 0]):  # (no more observations than the others explain)
         return float("inf")
-    return float(sigma * np.sqrt(max(variance, 0.0))) if np.isfinite(variance) else float("inf")
+    return sigma / np.sqrt(unexplained)
 
 
 def _starts(a: np.ndarray, prior_weight: float, target: np.ndarray) -> list[np.ndarray]:

@@ -21,11 +21,11 @@ from it.
 
 Exploration: merged calls of thousands of tokens pay ``fixed`` as a few per cent of their time, so a fit of
 them cannot tell it (:func:`~trl_dta.walk.cost_fit.fixed_uncertainty`), and the fit would never see the small
-calls whose cost it decides. So where a run starts from the prior (no cached fit) and its first timed walk
-leaves ``fixed`` uncertain by more than ``EXPLORE_ABOVE``, one gradient walk is planned unmerged (launches
-priced at 0: a call per node, or per leaf batch; any plan is exact) and timed; its calls stay in the fit
-beside the window (they are the calls that determine ``fixed``). One walk per run, once per device and
-model: the next run starts from the cache.
+calls whose cost it decides. So where a run starts from the prior (no cached fit) and its first
+``EXPLORE_AFTER`` walks leave ``fixed`` uncertain by more than ``EXPLORE_ABOVE``, one gradient walk is
+planned unmerged (launches priced at 0: a call per node, or per leaf batch; any plan is exact) and timed;
+its calls stay in the fit beside the window (they are the calls that determine ``fixed``). One walk per
+run, once per device and model: the next run starts from the cache.
 
 Modes (``tree_cost_fit``): ``"auto"`` starts from the cached fit or the shipped constants and fits online;
 ``"reset"`` forgets the cached fit and starts from the shipped constants; ``"frozen"`` uses the cached fit
@@ -56,6 +56,8 @@ STABLE = 5  # timed walks without a change of constants, after which only a samp
 SAMPLE_EVERY = 10
 EXPLORE_ABOVE = 0.25  # the relative standard error of ``fixed`` above which a walk explores (docstring)
 EXPLORE_WALKS = 1  # at most, per run
+EXPLORE_AFTER = 4  # gradient walks (the first untimed) whose merged calls may determine ``fixed`` first
+REFITS = 8  # fits per timed walk at most, each from the last (until the constants move < 0.1%)
 
 
 class CostModel:
@@ -150,14 +152,14 @@ class CostModel:
 
     def explores(self) -> bool:
         """Whether the gradient walk about to be planned should explore (module docstring): the run started
-        from the prior, a timed walk has left ``fixed`` uncertain, and no walk has explored yet. The
-        executor then plans it with launches priced at 0, and :meth:`timing` times it."""
+        from the prior, ``EXPLORE_AFTER`` walks have left ``fixed`` uncertain, and no walk has explored yet.
+        The executor then plans it with launches priced at 0, and :meth:`timing` times it."""
         self._collect()
         self._exploring = (
             self.mode != "frozen"
             and not self._from_cache
             and self.explored < EXPLORE_WALKS
-            and bool(self.window)
+            and self._walks >= EXPLORE_AFTER
             and self.uncertainty() > EXPLORE_ABOVE
         )
         return self._exploring
@@ -210,12 +212,13 @@ class CostModel:
             self.window.extend(observations)
         self.observed += len(observations)
         self.last_terms = tuple(sum(o.terms[k] for o in observations) for k in range(4))
-        self.fitted, self.residual = fit_constants(
-            [*self.anchors, *self.window],
-            self.fitted or self.active,
-            self.template.overlap,
-            scale=self.prior,
-        )
+        kept, fitted = [*self.anchors, *self.window], self.fitted or self.active
+        for _ in range(REFITS):  # (each fit the next one's prior: a prior far off moves in a few rounds)
+            previous = fitted
+            fitted, self.residual = fit_constants(kept, previous, self.template.overlap, scale=self.prior)
+            if fitted.ratio(previous) < 1e-3:
+                break
+        self.fitted = fitted
         if self.observed < MIN_OBSERVATIONS:
             return
         if self.active is self.prior or self.change() > REPLAN:
