@@ -179,45 +179,48 @@ def test_a_walk_on_this_cpu_is_timed_fitted_and_kept(tmp_path):
     assert "cpu" in cost_model.key and "qwen3" in cost_model.key
 
 
-def _calls(sizes, true: Constants, rng: random.Random, noise: float = 0.03) -> list[Observation]:
-    """One measured call per size: ``t`` tokens on no past, every token scored, a noisy clock."""
-    return [
-        Observation(
-            1, t, t * t / 2, t, true.seconds((1, t, t * t / 2, t), False) * (1 + rng.uniform(-noise, noise))
-        )
-        for t in sizes
-    ]
+def _walk(calls: int, tokens: int, true: Constants, rng: random.Random) -> Observation:
+    """One walk timed as a whole (a GPU): ``calls`` calls of ``tokens`` tokens in all, on no past."""
+    terms = (calls, tokens, tokens * tokens / (2 * calls), tokens)
+    return Observation(*terms, true.seconds(terms, True) * (1 + rng.uniform(-0.02, 0.02)))
 
 
-def test_large_calls_leave_fixed_uncertain_and_one_explored_walk_determines_it(tmp_path):
-    """Calls of thousands of tokens pay ``fixed`` as ~1% of their time: the fit cannot tell it, so the next
-    walk explores (once) and its small calls, kept beside the window, determine it."""
-    true = Constants(fixed=1.5e-2, per_token=1e-3, per_pair=3e-7, per_scored=1e-5)  # (the 8-layer CPU fit)
+def test_compute_bound_walks_leave_the_launch_cost_unknown_and_one_explored_walk_measures_it(tmp_path):
+    """Where launches overlap compute (a GPU), walks whose compute hides their launches only bound the
+    launch cost: the fit cannot tell it, so a walk after the first ``EXPLORE_AFTER`` explores (once); the
+    explored walk is launch-bound and determines it, and stays in the fit beside the window. A CPU, whose
+    calls are timed one by one, and a run that starts from the cache never explore."""
     rng = random.Random(0)
     model = CostModel("auto", cache_dir=tmp_path)
-    model.initialise(_costs(true, False), true, "simulated")
-    for _ in range(EXPLORE_AFTER):  # walks of large calls (the executor asks before each, then times it)
+    prior = GPU._replace(fixed=GPU.fixed / 4)  # (the shipped launch cost, 4x too low)
+    model.initialise(_costs(prior, True), prior, "simulated")
+    for k in range(EXPLORE_AFTER):  # compute-bound walks (the executor asks before each, then times it)
         assert not model.explores()  # (the first walks may determine it by themselves)
         model.timing([], True)
-        model.add(_calls([2000, 3000, 1500, 2600, 1800], true, rng), walk_s=1.0)
+        model.add([_walk(3, 20000 + 1000 * k, GPU, rng)], walk_s=1.0)
     assert model.uncertainty() > EXPLORE_ABOVE and model.explores()
     timing = model.timing([], True)
     assert timing is not None and timing.anchor and model.explored == 1
-    model.add(_calls([16, 40, 120, 300, 700, 64], true, rng), walk_s=1.0, anchor=True)
+    model.add([_walk(60, 3000, GPU, rng)], walk_s=1.0, anchor=True)  # (unmerged: launch-bound)
     assert model.uncertainty() < 0.1 and not model.explores()  # (determined; and one walk per run)
-    for _ in range(12):  # large calls again, more than the window holds: the explored calls stay
-        model.add(_calls([2000, 3000, 1500, 2600, 1800, 2200], true, rng), walk_s=1.0)
-    assert abs(model.fitted.fixed / true.fixed - 1) < 0.25 and model.uncertainty() < EXPLORE_ABOVE
+    for k in range(80):  # compute-bound walks again, more than the window holds: the explored one stays
+        model.add([_walk(3, 20000 + 100 * k, GPU, rng)], walk_s=1.0)
+    assert abs(model.fitted.fixed / GPU.fixed - 1) < 0.05 and model.uncertainty() < EXPLORE_ABOVE
     cached = CostModel("auto", cache_dir=tmp_path)  # the next run starts from the cache: no exploration
-    cached.initialise(_costs(true, False), true, "simulated")
-    cached.add(_calls([2000, 3000], true, rng), walk_s=1.0)
-    assert cached.calibrated and not cached.explores()
+    cached.initialise(_costs(prior, True), prior, "simulated")
+    cpu = CostModel("auto", cache_dir=tmp_path / "cpu")
+    cpu.initialise(_costs(CPU, False), CPU, "simulated")
+    for run in (cached, cpu):
+        for k in range(EXPLORE_AFTER + 1):
+            run.timing([], True)
+            run.add([_walk(3, 20000 + 1000 * k, GPU, rng)], walk_s=1.0)
+        assert not run.explores()
 
 
 def test_an_exploring_walk_is_planned_unmerged_and_stays_exact(tmp_path):
-    """On this CPU: constants whose fixed cost merges every call (x1000) give walks of one or two calls, so
-    a walk after the first ``EXPLORE_AFTER`` explores: planned with launches priced at 0, more calls; the
-    gradients equal a merged walk's."""
+    """The executor's side, on this CPU: constants whose fixed cost merges every call (x1000) give walks of
+    one or two calls, so a walk after the first ``EXPLORE_AFTER`` explores (decided as where costs overlap):
+    planned with launches priced at 0, more calls; the gradients equal a merged walk's."""
     from dataclasses import replace
 
     from trl_dta import TreeExecutor
@@ -225,6 +228,16 @@ def test_an_exploring_walk_is_planned_unmerged_and_stays_exact(tmp_path):
     model = tiny_model().double().train()  # (fp64: the two plans' sums in other orders agree to ~1e-12)
     shipped = CallCost.for_model(model.config, "cpu")
     cost_model = CostModel("reset", cache_dir=tmp_path, prior=replace(shipped, fixed=1000 * shipped.fixed))
+    decide = cost_model.explores
+
+    def explores() -> bool:  # (a CPU never explores: decided as where costs overlap, the rest as it is)
+        overlap, cost_model.template = cost_model.template.overlap, replace(cost_model.template, overlap=True)
+        try:
+            return decide()
+        finally:
+            cost_model.template = replace(cost_model.template, overlap=overlap)
+
+    cost_model.explores = explores
     executor = TreeExecutor(model, memory_budget=8e9, cost_model=cost_model)
     trie, _ = _trie(random.Random(0), scale=1)
     walks = []  # (explored?, forward calls, gradients) per walk

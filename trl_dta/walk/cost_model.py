@@ -19,13 +19,16 @@ timed walks, only one walk in ``SAMPLE_EVERY`` is timed. Every adopted fit is ke
 (:mod:`trl_dta.walk.cost_cache`) under the device's name and the model's signature; the next run starts
 from it.
 
-Exploration: merged calls of thousands of tokens pay ``fixed`` as a few per cent of their time, so a fit of
-them cannot tell it (:func:`~trl_dta.walk.cost_fit.fixed_uncertainty`), and the fit would never see the small
-calls whose cost it decides. So where a run starts from the prior (no cached fit) and its first
-``EXPLORE_AFTER`` walks leave ``fixed`` uncertain by more than ``EXPLORE_ABOVE``, one gradient walk is
-planned unmerged (launches priced at 0: a call per node, or per leaf batch; any plan is exact) and timed;
-its calls stay in the fit beside the window (they are the calls that determine ``fixed``). One walk per
-run, once per device and model: the next run starts from the cache.
+Exploration (where costs overlap: a GPU): a walk whose compute hides its launches bounds ``fixed`` from
+above and no more, so walks that are all compute-bound cannot tell the launch cost the plan's merges hang on
+(:func:`~trl_dta.walk.cost_fit.fixed_uncertainty`: infinite without a launch-bound walk). So where a run
+starts from the prior (no cached fit) and its first ``EXPLORE_AFTER`` walks leave ``fixed`` uncertain by
+more than ``EXPLORE_ABOVE``, one gradient walk is planned unmerged (launches priced at 0: a call per node, or
+per leaf batch; any plan is exact), which is launch-bound, and timed; it stays in the fit beside the window.
+One walk per run, once per device and model: the next run starts from the cache. On a CPU the calls are
+timed one by one and their sizes vary within a walk: there, measured on this project's CPU
+(docs/cost-model.md), the merged calls determine ``fixed`` well enough, and an unmerged walk of a small model
+would mostly measure the clock's noise, so a CPU never explores.
 
 Modes (``tree_cost_fit``): ``"auto"`` starts from the cached fit or the shipped constants and fits online;
 ``"reset"`` forgets the cached fit and starts from the shipped constants; ``"frozen"`` uses the cached fit
@@ -151,15 +154,16 @@ class CostModel:
         return (constants or self.active).seconds(terms, self.template.overlap)
 
     def explores(self) -> bool:
-        """Whether the gradient walk about to be planned should explore (module docstring): the run started
-        from the prior, ``EXPLORE_AFTER`` walks have left ``fixed`` uncertain, and no walk has explored yet.
-        The executor then plans it with launches priced at 0, and :meth:`timing` times it."""
+        """Whether the gradient walk about to be planned should explore (module docstring): costs overlap, the
+        run started from the prior, ``EXPLORE_AFTER`` walks have left ``fixed`` uncertain, and no walk has
+        explored yet. The executor then plans it with launches priced at 0, and :meth:`timing` times it."""
         self._collect()
         self._exploring = (
             self.mode != "frozen"
             and not self._from_cache
             and self.explored < EXPLORE_WALKS
             and self._walks >= EXPLORE_AFTER
+            and self.template.overlap
             and self.uncertainty() > EXPLORE_ABOVE
         )
         return self._exploring
