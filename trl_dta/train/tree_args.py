@@ -95,8 +95,10 @@ class TreeArguments:
             The call-cost constants the plan merges calls by and the dense fallback compares with
             (docs/cost-model.md). `"auto"`: the gradient walks time their calls, the constants are fitted to
             them online and kept in the cache (`tree_cost_cache`) for this device and model, where the next
-            run starts; `"reset"`: as `"auto"`, the cached fit forgotten first; `"frozen"`: the cached fit
-            (or the shipped constants) pinned, nothing timed or written; `"off"`: the shipped constants.
+            run starts (on CUDA a first run whose walks leave the launch cost undetermined plans one walk
+            unmerged to measure it); `"reset"`: as `"auto"`, the cached fit forgotten first; `"frozen"`: the
+            cached fit (or the shipped constants) pinned, nothing timed or written; `"off"`: the shipped
+            constants.
         tree_cost_cache (`str` or `None`, defaults to `None`):
             Directory of the fitted constants. `None`: `$TRL_DTA_CACHE_DIR`, else `$XDG_CACHE_HOME/trl_dta`,
             else `~/.cache/trl_dta`.
@@ -104,7 +106,9 @@ class TreeArguments:
             `"auto"`: before each step, predict the walk's time and TRL's dense path's for the same rows by
             the constants in use (shipped, cached or fitted in this run), from the first step, and take TRL's
             own dense path where it is faster by `tree_dense_margin`; `"never"`: always walk; `"always"`:
-            always TRL's dense path (for comparison). The gradients are the same either way. One process
+            always TRL's dense path (for comparison). The gradients are the same either way. Steps on the
+            dense path are timed, and their measured over predicted seconds scale the dense side's next
+            predictions (`tree/dense_scale`). One process
             without DeepSpeed or FSDP only (elsewhere every step walks, and `"always"` is refused). All
             three trainers, not with a value model or `check_staleness_at_training`.
         tree_dense_margin (`float`, defaults to 0.1):
