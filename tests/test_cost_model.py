@@ -299,31 +299,38 @@ def test_the_dense_fallback_decides_by_the_fitted_costs(tmp_path):
     assert not wide.prefer_dense(model, _unshared())
 
 
-def test_dense_steps_are_timed_and_scale_the_dense_predictions(tmp_path):
-    """A step sent to the dense path is timed from the decision to the optimizer step (the trainers' callback
-    stops the clock); the measured over predicted seconds scale the next dense predictions, so a dense path
-    slower than priced sends later steps back to the walk. A walked step, or a no-gradient pass, is not
-    timed; a dense step that ends without an optimizer step is forgotten."""
-    from trl_dta.train.dense_fallback import DenseClockCallback
+def test_steps_are_timed_and_scale_the_dense_predictions_relative_to_the_walk(tmp_path):
+    """Each decided training step is timed from the decision to the optimizer step (the trainers' callback
+    stops the clock). A measured step covers more than its prediction on either path, so the dense side's
+    predictions are scaled only once both paths were measured, by their ratios' ratio: one dense step
+    measured slower than priced does not send the next steps to the walk; a dense path slower than priced
+    relative to the walk does. A no-gradient pass is not timed; a step that ends without an optimizer step
+    is forgotten."""
+    from trl_dta.train.dense_fallback import StepClockCallback
 
     model = tiny_model().train()
     walker = _walker("auto", model, tmp_path)
     _calibrate(walker, model, CPU)
-    clock, metrics = walker.dense_clock, defaultdict(list)
+    clock, metrics = walker.step_clock, defaultdict(list)
+    stop = StepClockCallback(clock).on_pre_optimizer_step
     assert walker.prefer_dense(model, _unshared(), metrics=metrics) and clock.scale == 1.0
-    DenseClockCallback(clock).on_pre_optimizer_step(None, None, None)  # (the optimizer step)
-    assert clock.last_s > 0 and len(clock.ratios) == 1 and "tree/dense_s" not in metrics
-    assert walker.prefer_dense(model, _unshared(), metrics=metrics)  # (still faster: this CPU is quick)
-    assert metrics["tree/dense_s"] == [clock.last_s] and metrics["tree/dense_scale"][0] == clock.scale
+    stop(None, None, None)  # (the optimizer step)
+    assert clock.last_dense_s > 0 and len(clock.ratios[True]) == 1 and "tree/dense_s" not in metrics
+    clock.ratios[True].extend([50.0] * 3)  # (dense steps measured far slower than priced: alone, no matter)
+    assert walker.prefer_dense(model, _unshared(), metrics=metrics) and clock.scale == 1.0
+    assert metrics["tree/dense_s"] == [clock.last_dense_s] and metrics["tree/dense_scale"] == [1.0]
     clock.cancel()  # (as at the next decision: this one ended without an optimizer step)
-    clock.stop()
-    assert len(clock.ratios) == 1
-    clock.ratios.extend([1e4] * clock.WINDOW)  # measured 10^4 x slower than priced: the walk wins again
-    assert not walker.prefer_dense(model, _unshared(), metrics=metrics)
+    stop(None, None, None)
+    assert len(clock.ratios[True]) == 4
+    assert not walker.prefer_dense(model, _shared(), metrics=metrics)  # a walked step, timed as well
+    stop(None, None, None)
+    assert len(clock.ratios[False]) == 1 and clock.ratios[False][0] > 0
+    clock.ratios[True].clear()
+    clock.ratios[True].extend([1e4 * clock.ratios[False][0]] * clock.WINDOW)  # 10^4 x the walk's ratio
+    assert not walker.prefer_dense(model, _unshared(), metrics=metrics)  # the walk wins again
     assert metrics["tree/dense_scale"][-1] == pytest.approx(1e4)
     assert walker.prediction.dense_s > walker.prediction.walk_s
-    clock.stop()  # (a walked step ran nothing on the clock)
-    assert len(clock.ratios) == clock.WINDOW and clock.last_s == metrics["tree/dense_s"][0]
+    clock.cancel()
     walker.prefer_dense(model, _unshared(), timed=False)  # (a no-gradient pass: never timed)
     assert clock._running is None
 

@@ -13,8 +13,9 @@ Before a step, the fitted cost model (:mod:`trl_dta.walk.cost_model`) predicts t
 The step goes dense where ``dense x (1 + margin) < walk``. The dense side is priced with the walk's own
 constants, whose fixed cost per call also holds the walk's bookkeeping (its K/V buffers, its loss per
 sequence): a dense call costs at most that, so the comparison leans toward the walk, and the margin leans
-further. The steps that go dense are timed (:class:`DenseClock`: from the decision to the optimizer step),
-and the dense side's predictions are scaled by how far the measured ones were off. Gradients are the same
+further. Each decided step is timed (:class:`StepClock`: from the decision to the optimizer step), and the
+dense side's predictions are scaled by how far the measured dense steps were off, relative to the walked
+ones. Gradients are the same
 either way (TRL's own loss and backward), so exactness does not depend on the choice. Modes: "auto" (decide
 per step, from the first, by the constants in use: the shipped ones, a cached fit or this run's; a step that
 walks is timed and refines them), "never" (always walk), "always" (always dense).
@@ -77,68 +78,75 @@ def dense_terms(sequences: Sequence, checkpointing: bool = False) -> tuple[float
     return calls, tokens, pairs, scored
 
 
-class DenseClock:
-    """Times the steps that take the dense path, from the decision (the step's first micro-batch) to its
-    optimizer step (:class:`DenseClockCallback`): forwards, backwards and what lies between them, as the
-    walk's step has its own. On a CPU by the monotonic clock; on CUDA by two events read once the device has
-    passed them (at a later decision: no host sync). :attr:`scale`: the geometric mean of measured over
-    predicted seconds of the last ``WINDOW`` timed dense steps (1 before any), which scales the dense side's
-    next predictions."""
+class StepClock:
+    """Times each step the fallback decides, dense or walked, from the decision (the step's first
+    micro-batch) to its optimizer step (:class:`StepClockCallback`). On a CPU by the monotonic clock; on
+    CUDA by two events read once the device has passed them (at a later decision: no host sync).
+
+    A measured step covers more than its prediction on either path (the trainer's work between micro-batches,
+    the loss's bookkeeping, TRL's LM head over every position on the dense path), so only the two paths'
+    ratios compare: :attr:`scale` is the geometric mean of measured over predicted seconds of the last
+    ``WINDOW`` dense steps over that of the last ``WINDOW`` walked steps, 1 until both paths have been
+    measured. It multiplies the dense side's next predictions."""
 
     WINDOW = 8
 
     def __init__(self):
-        self.ratios: deque[float] = deque(maxlen=self.WINDOW)
-        self.last_s: float | None = None  # the latest measured dense step
-        self._running: tuple | None = None  # (predicted seconds, start: a time or a CUDA event)
-        self._pending: list[tuple] = []  # CUDA: (predicted, start event, end event)
+        self.ratios = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}  # by dense
+        self.last_dense_s: float | None = None  # the latest measured dense step
+        self._running: tuple | None = None  # (dense, predicted seconds, start: a time or a CUDA event)
+        self._pending: list[tuple] = []  # CUDA: (dense, predicted, start event, end event)
 
     @property
     def scale(self) -> float:
         self._collect()
-        return math.exp(sum(map(math.log, self.ratios)) / len(self.ratios)) if self.ratios else 1.0
+        if not (self.ratios[True] and self.ratios[False]):
+            return 1.0
+        mean = {k: sum(map(math.log, r)) / len(r) for k, r in self.ratios.items()}
+        return math.exp(mean[True] - mean[False])
 
-    def start(self, predicted_s: float, device: torch.device) -> None:
+    def start(self, dense: bool, predicted_s: float, device: torch.device) -> None:
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self._running = (predicted_s, event)
+            self._running = (dense, predicted_s, event)
         else:
-            self._running = (predicted_s, time.perf_counter())
+            self._running = (dense, predicted_s, time.perf_counter())
 
     def cancel(self) -> None:
-        """Forget a dense step that ended without an optimizer step (an evaluation, an interrupted step)."""
+        """Forget a step that ended without an optimizer step (an evaluation, an interrupted step)."""
         self._running = None
 
     def stop(self) -> None:
-        """At the optimizer step (nothing running: a walked step)."""
+        """At the optimizer step (nothing running: a step the fallback did not decide)."""
         if self._running is None:
             return
-        predicted, start = self._running
+        dense, predicted, start = self._running
         self._running = None
         if isinstance(start, float):
-            self._add(predicted, time.perf_counter() - start)
+            self._add(dense, predicted, time.perf_counter() - start)
         else:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._pending.append((predicted, start, end))
+            self._pending.append((dense, predicted, start, end))
 
     def _collect(self) -> None:
-        while self._pending and self._pending[0][2].query():
-            predicted, start, end = self._pending.pop(0)
-            self._add(predicted, start.elapsed_time(end) / 1e3)
+        while self._pending and self._pending[0][3].query():
+            dense, predicted, start, end = self._pending.pop(0)
+            self._add(dense, predicted, start.elapsed_time(end) / 1e3)
 
-    def _add(self, predicted: float, seconds: float) -> None:
-        self.last_s = seconds
+    def _add(self, dense: bool, predicted: float, seconds: float) -> None:
+        if dense:
+            self.last_dense_s = seconds
         if predicted > 0 and seconds > 0:
-            self.ratios.append(seconds / predicted)
+            self.ratios[dense].append(seconds / predicted)
 
 
-class DenseClockCallback(TrainerCallback):
-    """Stops a trainer's :class:`DenseClock` at each optimizer step (after gradient clipping, before the
+class StepClockCallback(TrainerCallback):
+    """Stops a trainer's :class:`StepClock` at each optimizer step (after gradient clipping, before the
     optimizer's update)."""
 
-    def __init__(self, clock: DenseClock):
+    def __init__(self, clock: StepClock):
         self.clock = clock
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
@@ -161,7 +169,7 @@ def predict(executor, trie, sequences: Sequence, no_grad_passes: float = 0.0, ch
 
 def decide(
     executor, sequences: Sequence, mode: str, margin: float, walk_only: bool,
-    no_grad_passes: float = 0.0, checkpointing: bool = False, metrics=None, clock: DenseClock | None = None,
+    no_grad_passes: float = 0.0, checkpointing: bool = False, metrics=None, clock: StepClock | None = None,
 ) -> tuple[Prediction | None, bool]:  # fmt: skip
     """The prediction for a step of ``sequences`` (None without a cost model or sequences) and whether it
     takes the dense path: ``mode`` "always" and "never" say so; "auto" says dense where the prediction
@@ -171,24 +179,24 @@ def decide(
     walks the trainer makes before the gradient walk (an accuracy pass); ``checkpointing``: the dense path
     recomputes its forward. Logs ``tree/path`` (1: dense, 0: the walk), ``tree/predicted_s`` and
     ``tree/predicted_dense_s`` into ``metrics``; for a dense step also the trie's ``tree/tokens``,
-    ``tree/unique_tokens`` and ``tree/dedup_ratio`` (a walked step's walk logs them). ``clock``: times a
-    dense step, and scales the dense predictions (:class:`DenseClock`; its latest measured step and scale
+    ``tree/unique_tokens`` and ``tree/dedup_ratio`` (a walked step's walk logs them). ``clock``: times the
+    step, and scales the dense predictions (:class:`StepClock`; its latest measured dense step and its scale
     logged as ``tree/dense_s`` and ``tree/dense_scale``)."""
     prediction, dense, trie = None, mode == "always", None
     if clock is not None:
-        clock.cancel()  # (a dense step that ended without an optimizer step is not timed)
+        clock.cancel()  # (a step that ended without an optimizer step is not timed)
     scale = clock.scale if clock is not None else 1.0
     if sequences and executor.cost_model is not None:
         trie = PrefixTrie.from_sequences([s.tokens for s in sequences])
         prediction = predict(executor, trie, sequences, no_grad_passes, checkpointing, margin, scale)
         auto = mode == "auto" and not walk_only
         dense = dense or (auto and prediction.dense)
-        if dense and clock is not None:
-            clock.start(prediction.dense_s / scale, executor.device)  # (its prediction before scaling)
+        if clock is not None:  # (a dense step's prediction before scaling)
+            clock.start(dense, prediction.dense_s / scale if dense else prediction.step_s, executor.device)
     if metrics is not None:
         metrics["tree/path"].append(float(dense))
-        if clock is not None and clock.last_s is not None:
-            metrics["tree/dense_s"].append(clock.last_s)
+        if clock is not None and clock.last_dense_s is not None:
+            metrics["tree/dense_s"].append(clock.last_dense_s)
             metrics["tree/dense_scale"].append(scale)
         if prediction is not None:
             metrics["tree/predicted_s"].append(prediction.walk_s)

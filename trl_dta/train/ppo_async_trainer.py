@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader
 from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
 from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset, _EmptyIterableDataset
 
-from .dense_fallback import DenseClockCallback
+from .dense_fallback import StepClockCallback
 from .ppo_async_config import AsyncTreePPOConfig, check_async_arguments
 from .ppo_async_data import SampleBatcher, SampleCollator, VersionedQueue
 from .ppo_async_loss import (
@@ -121,7 +121,7 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
             )
         self._use_walk_attention()
         self._walker = StepWalker(self.args, self.accelerator, self.model)
-        self.add_callback(DenseClockCallback(self._walker.dense_clock))  # (times dense steps)
+        self.add_callback(StepClockCallback(self._walker.step_clock))  # (times the decided steps)
         self._walker.check_models(  # (before the rollout worker starts: what the first walk would refuse)
             self.model, tokenizer=self.processing_class, length=rollout_length(self.args),
             disable_dropout=getattr(self.args, "disable_dropout", True),

@@ -40,7 +40,7 @@ from trl.trainer.utils import split_tensor_dict
 
 from ..vllm import VLLMMixin
 from . import ppo_repartition
-from .dense_fallback import DenseClockCallback
+from .dense_fallback import StepClockCallback
 from .ppo_config import TreePPOConfig
 from .ppo_losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
 from .ppo_rows import concat_batches, take_rows
@@ -95,7 +95,7 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         a = self.args
         self._walker = StepWalker(a, self.accelerator, self.model)
-        self.add_callback(DenseClockCallback(self._walker.dense_clock))  # (times dense steps)
+        self.add_callback(StepClockCallback(self._walker.step_clock))  # (times the decided steps)
         self._walker.reserve(self.vllm_reserved_bytes())  # (a colocated vLLM engine's share, VLLMMixin)
         self._tree_pending: dict[int, Walked] = {}  # walked micro-batches of this step, by buffer index
         self._tree_position = 0  # micro-batches of the current optimizer step served so far

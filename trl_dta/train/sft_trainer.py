@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from trl import SFTTrainer
 
-from .dense_fallback import DenseClockCallback
+from .dense_fallback import StepClockCallback
 from .refusals import check_arguments, sample_length
 from .sft_config import TreeSFTConfig
 from .sft_samples import Sample, batch_samples, num_input_tokens, trained_tokens
@@ -106,7 +106,7 @@ class TreeSFTTrainer(SFTTrainer):
         super().__init__(model, args, *rest, **kwargs)
         self._refuse_unsupported()
         self._walker = StepWalker(self.args, self.accelerator, self.model)
-        self.add_callback(DenseClockCallback(self._walker.dense_clock))  # (times dense steps)
+        self.add_callback(StepClockCallback(self._walker.step_clock))  # (times the decided steps)
         self._tree_accuracy = getattr(self.args, "tree_token_accuracy", TreeSFTConfig.tree_token_accuracy)
         self._tree_step: _Step | None = None
         length = sample_length(self.args, self.train_dataset, self.eval_dataset)

@@ -54,7 +54,7 @@ from ..walk.cost_model import CostModel
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
 from ..walk.preflight import preflight
-from .dense_fallback import DenseClock, Prediction, checked_mode, decide
+from .dense_fallback import Prediction, StepClock, checked_mode, decide
 from .gradient_check import GradientCheck
 from .load_balancing import step_router_grad
 from .multi_process import StepFlow, check_distributed
@@ -111,7 +111,7 @@ class StepWalker:
         self.dense_fallback = checked_mode(_option(args, "tree_dense_fallback"), self.walk_only)
         self.dense_margin = _option(args, "tree_dense_margin")
         self.prediction: Prediction | None = None  # prefer_dense's last
-        self.dense_clock = DenseClock()  # (the trainer stops it at each optimizer step: DenseClockCallback)
+        self.step_clock = StepClock()  # (the trainer stops it at each optimizer step: StepClockCallback)
 
     def executor(self, model) -> TreeExecutor:
         """The executor of ``model`` (the trainer's, wrapped or not; built, and probed, at the first call)."""
@@ -219,12 +219,11 @@ class StepWalker:
         (``tree_dense_fallback``: :func:`trl_dta.train.dense_fallback.decide`, which documents the arguments);
         logs ``tree/path`` and the predicted seconds into ``metrics``; the prediction stays in
         :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks. ``timed``: a
-        training step, whose dense path :attr:`dense_clock` times to the optimizer step (False: a no-gradient
-        pass)."""
+        training step, which :attr:`step_clock` times to the optimizer step (False: a no-gradient pass)."""
         mode = "never" if self.check_gradients and self.dense_fallback == "auto" else self.dense_fallback
         self.prediction, dense = decide(
             self.executor(model), sequences, mode, self.dense_margin, self.walk_only, no_grad_passes,
-            checkpointing, metrics, self.dense_clock if timed else None,
+            checkpointing, metrics, self.step_clock if timed else None,
         )  # fmt: skip
         return dense
 

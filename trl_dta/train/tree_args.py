@@ -106,9 +106,9 @@ class TreeArguments:
             `"auto"`: before each step, predict the walk's time and TRL's dense path's for the same rows by
             the constants in use (shipped, cached or fitted in this run), from the first step, and take TRL's
             own dense path where it is faster by `tree_dense_margin`; `"never"`: always walk; `"always"`:
-            always TRL's dense path (for comparison). The gradients are the same either way. Steps on the
-            dense path are timed, and their measured over predicted seconds scale the dense side's next
-            predictions (`tree/dense_scale`). One process
+            always TRL's dense path (for comparison). The gradients are the same either way. Each step is
+            timed; once both paths were, the dense steps' measured over predicted seconds, relative to the
+            walked steps', scale the dense side's next predictions (`tree/dense_scale`). One process
             without DeepSpeed or FSDP only (elsewhere every step walks, and `"always"` is refused). All
             three trainers, not with a value model or `check_staleness_at_training`.
         tree_dense_margin (`float`, defaults to 0.1):
