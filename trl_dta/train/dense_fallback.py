@@ -15,10 +15,10 @@ constants, whose fixed cost per call also holds the walk's bookkeeping (its K/V 
 sequence): a dense call costs at most that, so the comparison leans toward the walk, and the margin leans
 further. Each decided step is timed (:class:`StepClock`: from the decision to the optimizer step), and the
 dense side's predictions are scaled by how far the measured dense steps were off, relative to the walked
-ones. Gradients are the same
-either way (TRL's own loss and backward), so exactness does not depend on the choice. Modes: "auto" (decide
-per step, from the first, by the constants in use: the shipped ones, a cached fit or this run's; a step that
-walks is timed and refines them), "never" (always walk), "always" (always dense).
+ones. Gradients are the same either way (TRL's own loss and backward), so exactness does not depend on the
+choice. Modes: "auto" (decide per step, from the first, by the constants in use: the shipped ones, a cached
+fit or this run's; a step that walks is timed and refines them), "never" (always walk), "always" (always
+dense).
 """
 
 from __future__ import annotations

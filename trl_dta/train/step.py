@@ -76,9 +76,8 @@ class StepWalker:
         accelerator: the trainer's ``accelerate.Accelerator``.
         model: the trainer's model (checked: PEFT prompt learning is refused).
 
-    Besides the shared ``tree_*`` options it reads ``cast_lm_head_to_fp32`` (GRPO's: the LM head in float32)
-    and ``tree_gather_per_layer`` (:class:`~trl_dta.TreePPOConfig`'s: FSDP2, a decoder layer gathered per
-    call) where the config has them.
+    Besides the ``tree_*`` options it reads ``cast_lm_head_to_fp32`` (GRPO's) and ``tree_gather_per_layer``
+    (:class:`~trl_dta.TreePPOConfig`'s: FSDP2, a decoder layer gathered per call) where the config has them.
     """
 
     def __init__(self, args, accelerator, model):
@@ -104,7 +103,7 @@ class StepWalker:
             "oom_retries": _option(args, "tree_oom_retries"),
         }
         self.executors: dict[int, TreeExecutor] = {}
-        self._unwrapped: dict[int, tuple] = {}  # id(model) -> (model, its unwrapped module)
+        self._by_model: dict[int, tuple] = {}  # id(model) -> (model, its executor): wrapped or not
         self.trained: list = []  # the models trained in the same steps (train_together)
         self.cost_fit, self.cost_cache = _option(args, "tree_cost_fit"), _option(args, "tree_cost_cache")
         sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
@@ -117,9 +116,10 @@ class StepWalker:
     def executor(self, model) -> TreeExecutor:
         """The executor of ``model`` (the trainer's, wrapped or not; built, and probed, at the first call)."""
         self.flow.register(model)  # (DeepSpeed: the walk finds the engines)
-        seen = self._unwrapped.get(id(model))  # (unwrap_model reads package metadata: ~1.5 ms a call)
-        module = seen[1] if seen is not None and seen[0] is model else self.accelerator.unwrap_model(model)
-        self._unwrapped[id(model)] = (model, module)
+        seen = self._by_model.get(id(model))  # (unwrap_model reads package metadata: ~1.5 ms a call)
+        if seen is not None and seen[0] is model:
+            return seen[1]
+        module = self.accelerator.unwrap_model(model)
         if id(module) not in self.executors:
             budgets = Budgets(*self.budget_options, reserved_bytes=self.reserved_bytes, prefix="tree_")
             if any(m is module for m in self.trained):
@@ -128,6 +128,7 @@ class StepWalker:
             self.executors[id(module)] = TreeExecutor(
                 module, budgets=budgets, cost_model=costs, **self.options
             )
+        self._by_model[id(model)] = (model, self.executors[id(module)])
         return self.executors[id(module)]
 
     def train_together(self, *models) -> None:
@@ -218,11 +219,10 @@ class StepWalker:
 
     def prefer_dense(self, model, sequences: Sequence[StepSequence], *, no_grad_passes: float = 0.0,
                      checkpointing: bool = False, metrics=None, timed: bool = True) -> bool:  # fmt: skip
-        """Whether the step of ``sequences`` should take TRL's dense path instead of the walk
-        (``tree_dense_fallback``: :func:`trl_dta.train.dense_fallback.decide`, which documents the arguments);
-        logs ``tree/path`` and the predicted seconds into ``metrics``; the prediction stays in
-        :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks. ``timed``: a
-        training step, which :attr:`step_clock` times to the optimizer step (False: a no-gradient pass)."""
+        """Whether the step of ``sequences`` should take TRL's dense path (``tree_dense_fallback``:
+        :func:`trl_dta.train.dense_fallback.decide` documents the arguments and the metrics); the prediction
+        stays in :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks.
+        ``timed``: a training step, timed by :attr:`step_clock` (False: a no-gradient pass)."""
         mode = "never" if self.check_gradients and self.dense_fallback == "auto" else self.dense_fallback
         self.prediction, dense = decide(
             self.executor(model), sequences, mode, self.dense_margin, self.walk_only, no_grad_passes,
@@ -265,13 +265,10 @@ class StepWalk(AbstractContextManager):
         self.peak_memory: int | None = None
         self.time_s: float | None = None  # (set on exit)
         self._calls = None
-        self._executor: TreeExecutor | None = None
 
     @property
     def executor(self) -> TreeExecutor:
-        if self._executor is None:  # (once per step: unwrapping a model costs milliseconds in accelerate)
-            self._executor = self.walker.executor(self.model)
-        return self._executor
+        return self.walker.executor(self.model)  # (cached per model: StepWalker.executor)
 
     def __enter__(self) -> StepWalk:
         if self.trie is not None:
