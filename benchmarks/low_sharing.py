@@ -1,7 +1,8 @@
 """Benchmark (issue 41, "never slower"): the tree trainers against stock TRL, steps sharing almost nothing.
 
     python benchmarks/low_sharing.py [--case grpo-unique|sft-unique|async-single|all] [--repeats 5]
-                                     [--steps 4] [--threads 1] [--out benchmarks/out/low_sharing.json]
+                                     [--steps 4] [--threads 1] [--processes 1]
+                                     [--out benchmarks/out/low_sharing.json]
 
 With ``tree_dense_fallback="auto"`` (the default) a step the cost model predicts cheaper on TRL's dense path
 takes it: this measures whether that keeps each tree trainer at stock speed (the issue asks ≥ 0.97×), with
@@ -15,6 +16,9 @@ the walk forced (``"never"``) beside it to show what the fallback saves. Cases, 
   tokenizer's chat scaffolding (``trl_dta.testing.sft.tool_conversations``), 8 a step.
 * ``async-single``: ``AsyncTreePPOTrainer`` against TRL's ``AsyncGRPOTrainer`` (its loss on a CPU through
   ``trl_dta.testing.async_grpo``), one sample per prompt, 8 a step, from a scripted queue.
+
+``--processes N``: N DDP processes (this script relaunched by torchrun, gloo, ``--threads`` each), each
+with the per-process batch above (N times the rows a step), stock and tree alike; rank 0 reports.
 
 Runs alternate stock, tree (auto), tree (never), ... ``--repeats`` times after one round of warm-up, each a
 fresh trainer of ``--steps`` optimizer steps, each (unless ``--keep_cache``) with an empty cost cache: the
@@ -30,6 +34,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +46,7 @@ sys.path.insert(0, ROOT)
 from common import environment, load_average  # noqa: E402
 from transformers.trainer_callback import PrinterCallback, TrainerCallback  # noqa: E402
 
+WORLD = int(os.environ.get("WORLD_SIZE", 1))  # (under torchrun: --processes)
 MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)  # fmt: skip
 ROWS = 8
@@ -81,7 +87,8 @@ def _grpo_trainer(tree: bool, mode: str, steps: int, out_dir: str):
     config = make_config(out_dir, config_cls=config_cls, per_device_train_batch_size=ROWS, num_generations=2,
                          gradient_accumulation_steps=1, num_iterations=1, max_steps=steps,
                          max_completion_length=64, learning_rate=1e-3, **extra)  # fmt: skip
-    prompts = [[{"role": "user", "content": f"Question {i}: {_WORDS[i % len(_WORDS)]}?"}] for i in range(64)]
+    prompts = [[{"role": "user", "content": f"Question {i}: {_WORDS[i % len(_WORDS)]}?"}]
+               for i in range(64 * WORLD)]  # fmt: skip
     return make_trainer(type("Bench", (Unique, base), {}), config, model=tiny_model(seed=0, **MODEL),
                         tools=False, dataset=Dataset.from_dict({"prompt": prompts}))  # fmt: skip
 
@@ -100,7 +107,7 @@ def _sft_trainer(tree: bool, mode: str, steps: int, out_dir: str):
     config = make_sft_config(out_dir, config_cls=config_cls, per_device_train_batch_size=ROWS,
                              gradient_accumulation_steps=1, max_steps=steps, **extra)  # fmt: skip
     rows = []
-    for i in range(ROWS * steps):  # unique from the user's first word; answers of 40-70 words
+    for i in range(ROWS * steps * WORLD):  # unique from the user's first word; answers of 40-70 words
         words = lambda n, k: " ".join(_WORDS[(k * 7 + 13 * j) % len(_WORDS)] for j in range(n))  # noqa: E731
         user, answer = f"{i} {words(8 + i % 5, i)}?", words(40 + 3 * (i % 11), i + 1)
         rows.append({"messages": [{"role": "user", "content": user},
@@ -126,7 +133,7 @@ def _async_trainer(tree: bool, mode: str, steps: int, out_dir: str):
     model_dir = os.path.join(tempfile.gettempdir(), "low_sharing_async_model")
     if not os.path.isdir(model_dir):
         tiny_model(seed=0, **MODEL).save_pretrained(model_dir)
-    groups = ROWS * (steps + 1)  # unique prompts of 24-60 tokens, one rollout each
+    groups = ROWS * (steps + 1) * WORLD  # unique prompts of 24-60 tokens, one rollout each
     samples = synthetic_rollouts(0, tiny_model(seed=0, **MODEL), groups=groups, per_group=1,
                                  prompt=[24 + (7 * g) % 37 for g in range(groups)])  # fmt: skip
     extra = dict(tree_dense_fallback=mode) if tree else {}
@@ -173,9 +180,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--processes", type=int, default=1, help="DDP processes (torchrun, gloo)")
     ap.add_argument("--keep_cache", action="store_true", help="reuse fitted constants across runs")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out", "low_sharing.json"))
     args = ap.parse_args()
+    if args.processes > 1 and "WORLD_SIZE" not in os.environ:  # relaunch: one process per rank
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(args.processes), os.path.abspath(__file__), *sys.argv[1:]]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        raise SystemExit(subprocess.run(cmd, env=env).returncode)
+    main_rank = int(os.environ.get("RANK", 0)) == 0
     torch.set_num_threads(args.threads)
     load, started = load_average(), time.perf_counter()
     cases = list(CASES) if args.case == "all" else [args.case]
@@ -199,14 +213,18 @@ def main() -> None:
             "dedup_ratio": statistics.median(d for r in runs["tree-never"] for d in r["dedup"]),
             "runs": runs,
         }
-        print(f"{case}: median step s {({k: round(v, 4) for k, v in med.items()})}, speed vs stock "
-              f"{({k: round(v, 3) for k, v in results[case]['speed_vs_stock'].items()})}, dense share "
-              f"{results[case]['dense_share']:.2f}, dedup {results[case]['dedup_ratio']:.2f}")  # fmt: skip
+        r = results[case]
+        if main_rank:
+            print(f"{case}: median step s {({k: round(v, 4) for k, v in med.items()})}, speed vs stock "
+                  f"{({k: round(v, 3) for k, v in r['speed_vs_stock'].items()})}, dense share "
+                  f"{r['dense_share']:.2f}, dedup {r['dedup_ratio']:.2f}")  # fmt: skip
+    if not main_rank:
+        return
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         env = environment(load, time.perf_counter() - started, threads=args.threads)
-        json.dump({"environment": env, "steps": args.steps, "repeats": args.repeats, "results": results}, f,
-                  indent=1)  # fmt: skip
+        json.dump({"environment": env, "steps": args.steps, "repeats": args.repeats, "processes": WORLD,
+                   "results": results}, f, indent=1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ tests/test_async_trainer.py (TRL's coupled objective), tests/test_async_decouple
 tests/test_async_value_model.py (the decoupled one with a value model).
 
 Usage: torchrun --nproc_per_node 2 tests/async_dist_worker.py OUT_DIR MODEL_DIR [MODE]
-MODE (:data:`MODES`): ``coupled`` (the default), ``decoupled`` or ``decoupled-value``. Trains STEPS
+MODE (:data:`MODES`): ``coupled`` (the default), ``coupled-dense`` (``tree_dense_fallback="always"``),
+``decoupled`` or ``decoupled-value``. Trains STEPS
 optimizer steps of SGD on the rollouts of :func:`distributed_rollouts` (fed by a queue worker on the main
 process, weight sync a no-op) and saves this rank's parameters (and its value model's) to
 OUT_DIR/rank{RANK}.pt. :func:`make_trainer` builds the same run for any number of processes, so a test can
@@ -28,7 +29,8 @@ TEMPERATURE, EPSILON, EPSILON_HIGH = 0.9, 0.2, 0.28
 STEPS, PER_RANK, ACCUMULATION, LR, RANKS = 2, 3, 2, 0.05, 2
 CAP = 1.3  # the decoupled weight's cap: behaviour log-probs 0.4 off the policy's put some tokens over it
 DECOUPLED = dict(use_decoupled_loss=True, behav_imp_weight_cap=CAP)
-MODES = {"coupled": {}, "decoupled": DECOUPLED, "decoupled-value": DECOUPLED}
+DENSE = dict(tree_dense_fallback="always")  # (TRL's dense path on every step, DDP reducing it)
+MODES = {"coupled": {}, "coupled-dense": DENSE, "decoupled": DECOUPLED, "decoupled-value": DECOUPLED}
 
 
 def plain_model(model_dir):
@@ -58,7 +60,7 @@ def make_trainer(out_dir: str, model_dir: str, mode: str, processes: int) -> Asy
         gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, bf16=False, use_cpu=True, optim="sgd",
         learning_rate=LR, max_grad_norm=0.0, report_to=[], save_strategy="no", logging_steps=1,
         epsilon=EPSILON, epsilon_high=EPSILON_HIGH, temperature=TEMPERATURE, max_staleness=3,
-        tree_dense_fallback="never", **MODES[mode],  # (one process walks too, as two do)
+        **{"tree_dense_fallback": "never", **MODES[mode]},  # (one process walks too, as two do)
     )  # fmt: skip
     return AsyncTreePPOTrainer(
         model_dir, args=args, processing_class=tiny_tokenizer(), train_dataset=make_dataset(2),

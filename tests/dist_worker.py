@@ -3,7 +3,9 @@
 Usage: torchrun --nproc_per_node 2 tests/dist_worker.py OUT_DIR MODEL_DIR LOSS_TYPE
 Saves this rank's per-step gradients (taken just before the optimizer step) to OUT_DIR/rank{RANK}.pt. With
 ``VALUE_MODEL=1`` in the environment, the tree trainer has a value model (warm-started from the policy, its
-head seeded) and the value model's gradients are saved too.
+head seeded) and the value model's gradients are saved too. ``DENSE_FALLBACK``: the tree trainer's
+``tree_dense_fallback`` (else the fixtures' "never"); each training step's decision is saved (this rank's
+prediction, the path taken).
 """
 
 from __future__ import annotations
@@ -55,14 +57,16 @@ def main(out_dir, model_dir, loss_type, trainer="tree"):
     accumulation = int(os.environ.get("GRAD_ACCUM", 1))  # same rows per optimizer step, in more micro-batches
     batch["per_device_train_batch_size"] //= accumulation
     batch["gradient_accumulation_steps"] = accumulation
+    if os.environ.get("DENSE_FALLBACK"):  # (the fixtures pin "never")
+        batch["tree_dense_fallback"] = os.environ["DENSE_FALLBACK"]
     recorder = GradRecorder()
     config = make_config(
         os.path.join(out_dir, f"run{rank}"),
         config_cls=TreePPOConfig if tree else GRPOConfig,
         loss_type=loss_type,
-        **batch,
+        **({k: v for k, v in batch.items() if tree or not k.startswith("tree_")}),
     )
-    extra, value_grads = {}, []
+    extra, value_grads, decisions = {}, [], []
     if os.environ.get("VALUE_MODEL") == "1":
         from transformers import AutoModelForCausalLM
 
@@ -81,8 +85,19 @@ def main(out_dir, model_dir, loss_type, trainer="tree"):
             return step()
 
         t._critic.step = recorded_step
+    if tree:  # each training step's decision: this rank's prediction and the path taken
+        prefer_dense = t._walker.prefer_dense
+
+        def recorded(*args, timed=True, **kwargs):
+            dense = prefer_dense(*args, timed=timed, **kwargs)
+            if timed:
+                prediction = t._walker.prediction  # (plain floats: torch.load's weights_only)
+                decisions.append(((prediction.step_s, prediction.dense_s), dense))
+            return dense
+
+        t._walker.prefer_dense = recorded
     t.train()
-    saved = {"grads": recorder.grads, "rows": rows, "value_grads": value_grads}
+    saved = {"grads": recorder.grads, "rows": rows, "value_grads": value_grads, "decisions": decisions}
     torch.save(saved, os.path.join(out_dir, f"{trainer}{rank}.pt"))
 
 

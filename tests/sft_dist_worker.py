@@ -6,6 +6,8 @@ accelerate itself on gloo processes: trl_dta/testing/cpu_distributed.py, a test 
 Each optimizer step sees the same 8 conversations whatever the process count (a one-process run gets the
 global batch); saves this rank's per-step gradients (DDP), log history, the full parameters before and after
 training and what DeepSpeed sharded to OUT_DIR/{trainer}{RANK}.pt (MODE other than ddp: {trainer}-{MODE}...).
+``DENSE_FALLBACK`` in the environment: the tree trainer's ``tree_dense_fallback`` (else the fixtures'
+"never").
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def main(out_dir, model_dir, trainer="tree", mode="ddp"):
     if world > 1:
         process_state(mode)
     name = trainer if mode == "ddp" else f"{trainer}-{mode}"
-    recorder = GradRecorder()
+    recorder, fallback = GradRecorder(), os.environ.get("DENSE_FALLBACK")
     config = make_sft_config(
         os.path.join(out_dir, f"{name}-run{rank}"),
         config_cls=TreeSFTConfig if tree else SFTConfig,
@@ -51,6 +53,7 @@ def main(out_dir, model_dir, trainer="tree", mode="ddp"):
         gradient_accumulation_steps=2,
         assistant_only_loss=True,
         **(trainer_settings(mode) if world > 1 else {}),
+        **({"tree_dense_fallback": os.environ["DENSE_FALLBACK"]} if tree and fallback else {}),
     )
     cls = TreeSFTTrainer if tree else SFTTrainer
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

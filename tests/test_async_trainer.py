@@ -311,10 +311,12 @@ def test_collator_splits_by_lexicographic_partition(model_dir):
     assert batch["counts"][0].tolist()[0] == sum(int(s.completion_mask[1:].sum()) for s in samples)
 
 
-def test_two_processes_equal_dense_sgd(model_dir, tmp_path):
+@pytest.mark.parametrize("mode", ["coupled", pytest.param("coupled-dense", marks=pytest.mark.slow)])
+def test_two_processes_equal_dense_sgd(model_dir, tmp_path, mode):
     """Two DDP processes (torchrun, gloo): each micro-batch split by the lexicographic partition, each rank
-    walking its share of the step; the parameters equal one process's dense SGD on the same micro-batches."""
-    ranks = dist.launch(tmp_path, model_dir)
+    walking its share of the step (``coupled-dense``: taking the dense path, DDP reducing it); the parameters
+    equal one process's dense SGD on the same micro-batches."""
+    ranks = dist.launch(tmp_path, model_dir, mode)
 
     reference = plain_model(model_dir)
     before = {n: p.detach().clone() for n, p in reference.named_parameters()}
@@ -333,6 +335,8 @@ def test_two_processes_equal_dense_sgd(model_dir, tmp_path):
         error = relative_error(update, expected)
         assert error <= 1e-4, error
     assert len([log for log in ranks[0]["logs"] if "ratio" in log]) == dist.STEPS
+    paths = [[log["tree/path"] for log in rank["logs"] if "tree/path" in log] for rank in ranks]
+    assert paths[0] == paths[1] == [float(mode == "coupled-dense")] * dist.STEPS
 
 
 # ---------------------------------------------------------------------------------------------------- (e)

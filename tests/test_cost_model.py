@@ -20,7 +20,7 @@ from accelerate import Accelerator
 
 from trl_dta import PrefixTrie
 from trl_dta.testing.grpo import tiny_model
-from trl_dta.train.dense_fallback import checked_mode, dense_terms
+from trl_dta.train.dense_fallback import checked_mode, decide, dense_terms
 from trl_dta.train.step import StepSequence, StepWalker
 from trl_dta.walk.cost_cache import CostCache
 from trl_dta.walk.cost_fit import Constants, Observation, fit_constants
@@ -335,6 +335,33 @@ def test_steps_are_timed_and_scale_the_dense_predictions_relative_to_the_walk(tm
     assert clock._running is None
 
 
+def test_several_processes_take_the_path_of_the_slowest_ranks_predictions(tmp_path):
+    """On several processes ``decide`` compares the largest walk and the largest dense prediction over ranks
+    (``agree``: the all-reduce, here another rank simulated): a rank whose own steps would go dense walks
+    where another rank's walk is much faster than its dense step, and the other way round; a rank without
+    sequences takes part."""
+    model = tiny_model().train()
+    walker = _walker("auto", model, tmp_path)
+    _calibrate(walker, model, CPU)
+    executor, seen = walker.executor(model), []
+
+    def other_rank(factors):
+        def agree(values):
+            seen.append(values)
+            return [max(v, v * f) for v, f in zip(values, factors, strict=True)]
+
+        return agree
+
+    for seqs, alone in ((_unshared(), True), (_shared(), False)):
+        assert decide(executor, seqs, "auto", 0.1, False)[1] is alone
+        factors = (1.0, 100.0) if alone else (100.0, 1.0)  # the other rank: dense (walk) far slower
+        assert decide(executor, seqs, "auto", 0.1, False, agree=other_rank(factors))[1] is not alone
+    assert decide(executor, [], "auto", 0.1, False, agree=lambda v: [1.0, 0.5])[1]
+    assert not decide(executor, [], "auto", 0.1, False, agree=lambda v: [1.0, 1.0])[1]
+    assert len(seen) == 2 and all(len(v) == 2 and v[0] > 0 for v in seen)
+    assert decide(executor, _unshared(), "never", 0.1, False, agree=lambda v: 1 / 0)[1] is False  # no call
+
+
 def test_dense_terms_are_one_padded_call_per_micro_batch():
     seqs = [StepSequence([1] * 10, 0, 4), StepSequence([2] * 6, 0, 0), StepSequence([3] * 8, 1, 2)]
     assert dense_terms(seqs) == (2, 2 * 10 + 8, 2 * 100 + 64, 6 + 6 + 6)
@@ -343,15 +370,15 @@ def test_dense_terms_are_one_padded_call_per_micro_batch():
 
 
 def test_the_dense_fallback_is_refused_where_every_step_must_walk(tmp_path):
-    """Several processes (every rank would have to take the same path), DeepSpeed or FSDP (the walk reduces
-    the step's gradients and steps the engine itself): "auto" walks, "always" is refused."""
+    """DeepSpeed or FSDP (the walk reduces the step's gradients and steps the engine itself): "auto" walks,
+    "always" is refused."""
     model = tiny_model().train()
     walker = _walker("auto", model, tmp_path)
     _calibrate(walker, model, CPU)
     assert not walker.walk_only and walker.prefer_dense(model, _unshared())
-    walker.walk_only = True  # (as on several processes, or under DeepSpeed or FSDP: never dense)
+    walker.walk_only = True  # (as under DeepSpeed or FSDP: never dense)
     assert not walker.prefer_dense(model, _unshared())
-    with pytest.raises(ValueError, match="without DeepSpeed or FSDP"):
+    with pytest.raises(ValueError, match="not supported under DeepSpeed or FSDP"):
         checked_mode("always", walk_only=True)
     assert checked_mode("auto", walk_only=True) == "auto"
     with pytest.raises(ValueError, match="tree_dense_fallback"):

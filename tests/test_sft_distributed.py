@@ -20,8 +20,10 @@ WORKER = Path(__file__).with_name("sft_dist_worker.py")
 TOL = 1e-4
 
 
-def run(out, model_dir, trainer, procs, mode="ddp"):
+def run(out, model_dir, trainer, procs, mode="ddp", dense_fallback=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    if dense_fallback is not None:
+        env["DENSE_FALLBACK"] = dense_fallback
     cmd = [sys.executable, str(WORKER)]
     if procs > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
@@ -44,6 +46,18 @@ def test_two_process_sft_equals_stock(tmp_path, model_dir):
         for got, ref in zip(tree[0]["logs"], stock[0]["logs"], strict=True):
             for key in ("entropy", "mean_token_accuracy", "num_tokens"):
                 assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), (procs, key)
+
+
+@pytest.mark.slow
+def test_two_process_dense_fallback_equals_stock(tmp_path, model_dir):
+    """``tree_dense_fallback="always"`` on two DDP processes: TRL's dense path, DDP reducing it."""
+    tree = run(tmp_path, model_dir, "tree", 2, dense_fallback="always")
+    stock = run(tmp_path, model_dir, "stock", 1)
+    for step in range(2):
+        for rank in range(2):
+            assert relative_error(tree[rank]["grads"][step], stock[0]["grads"][step]) <= TOL, step
+    for rank in tree:
+        assert [log["tree/path"] for log in rank["logs"]] == [1.0, 1.0]
 
 
 @pytest.mark.slow

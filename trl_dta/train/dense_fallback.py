@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -52,11 +52,11 @@ class Prediction(NamedTuple):
 
 def checked_mode(mode: str, walk_only: bool) -> str:
     """``tree_dense_fallback`` as the step seam takes it: "always" is refused where every step must walk
-    (``walk_only``: several processes; DeepSpeed or FSDP, whose steps the walk reduces and steps)."""
+    (``walk_only``: DeepSpeed or FSDP, whose steps the walk reduces and steps)."""
     if mode == "always" and walk_only:
         raise ValueError(
-            'tree_dense_fallback="always" runs on a single process without DeepSpeed or FSDP only: there '
-            "every step walks."
+            'tree_dense_fallback="always" is not supported under DeepSpeed or FSDP: there every step walks '
+            "(the walk reduces the step's gradients and steps the engine itself)."
         )
     return mode
 
@@ -170,12 +170,17 @@ def predict(executor, trie, sequences: Sequence, no_grad_passes: float = 0.0, ch
 def decide(
     executor, sequences: Sequence, mode: str, margin: float, walk_only: bool,
     no_grad_passes: float = 0.0, checkpointing: bool = False, metrics=None, clock: StepClock | None = None,
+    agree: Callable[[list[float]], list[float]] | None = None,
 ) -> tuple[Prediction | None, bool]:  # fmt: skip
     """The prediction for a step of ``sequences`` (None without a cost model or sequences) and whether it
     takes the dense path: ``mode`` "always" and "never" say so; "auto" says dense where the prediction
-    does (by ``executor``'s constants in use, calibrated or not), unless ``walk_only`` (several processes:
-    every rank would have to take the same path; DeepSpeed or FSDP: the walk reduces the step's gradients
-    and steps the engine itself, where TRL's dense backward would not reach them). ``no_grad_passes``:
+    does (by ``executor``'s constants in use, calibrated or not), unless ``walk_only`` (DeepSpeed or FSDP:
+    the walk reduces the step's gradients and steps the engine itself, where TRL's dense backward would not
+    reach them). ``agree``: on several processes, the elementwise largest of a list of floats over ranks
+    (:func:`~trl_dta.train.multi_process.max_over_ranks`; every rank calls ``decide`` at the same point):
+    "auto" then compares the slowest rank's predicted walk with the slowest rank's predicted dense step (the
+    ranks wait for each other at the gradients' all-reduce), so that every rank takes the same path (DDP's
+    dense backward reduces in lock-step). ``no_grad_passes``:
     walks the trainer makes before the gradient walk (an accuracy pass); ``checkpointing``: the dense path
     recomputes its forward. Logs ``tree/path`` (1: dense, 0: the walk), ``tree/predicted_s`` and
     ``tree/predicted_dense_s`` into ``metrics``; for a dense step also the trie's ``tree/tokens``,
@@ -186,13 +191,17 @@ def decide(
     if clock is not None:
         clock.cancel()  # (a step that ended without an optimizer step is not timed)
     scale = clock.scale if clock is not None else 1.0
+    auto = mode == "auto" and not walk_only and executor.cost_model is not None
     if sequences and executor.cost_model is not None:
         trie = PrefixTrie.from_sequences([s.tokens for s in sequences])
         prediction = predict(executor, trie, sequences, no_grad_passes, checkpointing, margin, scale)
-        auto = mode == "auto" and not walk_only
-        dense = dense or (auto and prediction.dense)
-        if clock is not None:  # (a dense step's prediction before scaling)
-            clock.start(dense, prediction.dense_s / scale if dense else prediction.step_s, executor.device)
+    if auto and agree is not None:  # (a rank without sequences still takes part: zeros)
+        step_s, dense_s = agree([prediction.step_s, prediction.dense_s] if prediction else [0.0, 0.0])
+        dense = dense_s * (1 + margin) < step_s
+    elif auto and prediction is not None:
+        dense = prediction.dense
+    if prediction is not None and clock is not None:  # (a dense step's prediction before scaling)
+        clock.start(dense, prediction.dense_s / scale if dense else prediction.step_s, executor.device)
     if metrics is not None:
         metrics["tree/path"].append(float(dense))
         if clock is not None and clock.last_dense_s is not None:

@@ -191,3 +191,11 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
         flat.div_(world)
         for p, chunk in zip(group, flat.split([p.numel() for p in group]), strict=True):
             p.grad.copy_(chunk.view_as(p.grad))
+
+
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """The elementwise largest of ``values`` over ranks (one small all-reduce on ``device``; every rank must
+    call it at the same point): the slowest rank's times, which the step waits for."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()

@@ -200,7 +200,8 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
             )
         mode = "train" if self.model.training else "eval"
         if mode == "train" and torch.is_grad_enabled() and self._takes_dense_path(model, inputs):
-            return GRPOTrainer._compute_loss(self, _DensePass(model), inputs)  # (TRL's own loss and backward)
+            loss = GRPOTrainer._compute_loss(self, _DensePass(model), inputs)  # (TRL's own loss and backward)
+            return loss * self._padding_scale(inputs)
         if mode == "train" and torch.is_grad_enabled():
             walked = self._walked_in_step(model, inputs)
         else:
@@ -239,6 +240,7 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         buffered = self._buffered_inputs
         if (
             self._critic is not None
+            or (self._repartition and self.aux_loss_enabled)  # (TRL's aux term is not row-normalised)
             or buffered is None
             or index >= len(buffered)
             or buffered[index] is not inputs
@@ -255,6 +257,14 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         if self._tree_dense:
             self._tree_position = 0 if self.accelerator.sync_gradients else self._tree_position + 1
         return self._tree_dense
+
+    def _padding_scale(self, inputs) -> float:
+        """What TRL's loss of a re-partitioned micro-batch is multiplied by to keep the global objective: a
+        row-normalised loss divides by the micro-batch's rows, its zero-weight padding rows counted, where the
+        walk divides by the configured rows (ppo_repartition.py); so rows over configured there, else 1."""
+        rows, configured = inputs["completion_mask"].shape[0], self.args.per_device_train_batch_size
+        padded = self._repartition and self.model.training and rows != configured
+        return rows / configured if padded and self.loss_type in ROW_NORMALISED else 1.0
 
     def _row_loss(self, inputs, training: bool, entropies: torch.Tensor | None) -> RowLoss:
         """TRL's loss for one micro-batch, per row: the micro-batch constants are settled here."""
@@ -314,10 +324,8 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         expected = total  # what TRL's _compute_loss must give on these values
         rows, configured = inputs["completion_mask"].shape[0], self.args.per_device_train_batch_size
         padded = self._repartition and self.model.training and rows != configured
-        if padded and self.loss_type in ROW_NORMALISED:
-            # zero-weight padding rows: TRL divides by the padded row count, the walk by the configured one
-            # (which keeps stock TRL's global objective, see ppo_repartition.py)
-            expected = walked.policy * configured / rows + walked.aux_term
+        if padded and self.loss_type in ROW_NORMALISED:  # (TRL divides by the padded rows: _padding_scale)
+            expected = walked.policy / self._padding_scale(inputs) + walked.aux_term
         if abs(float(loss) - expected) > 1e-4 * walked.magnitude + 1e-7:  # fp32 rounding of a sum of terms
             raise RuntimeError(
                 f"TRL's loss on the walk's log-probs ({float(loss):.8g}) differs from the sum of the per-row "

@@ -57,7 +57,7 @@ from ..walk.preflight import preflight
 from .dense_fallback import Prediction, StepClock, checked_mode, decide
 from .gradient_check import GradientCheck
 from .load_balancing import step_router_grad
-from .multi_process import StepFlow, check_distributed
+from .multi_process import StepFlow, check_distributed, max_over_ranks
 from .refusals import LengthBound, check_arguments, tokenizer_size
 from .step_results import SequenceResults, StepSequence
 from .tree_args import TreeArguments
@@ -97,17 +97,16 @@ class StepWalker:
         self.budget_options = tuple(_option(args, name) for name in names)
         Budgets(*self.budget_options, prefix="tree_")  # (validated now: a plain TRL config is not)
         self.reserved_bytes = 0.0
-        self.options = {
-            "lm_head_fp32": getattr(args, "cast_lm_head_to_fp32", False),
-            "gather_per_layer": gather_per_layer,
-            "oom_retries": _option(args, "tree_oom_retries"),
-        }
+        self.options = dict(
+            lm_head_fp32=getattr(args, "cast_lm_head_to_fp32", False), gather_per_layer=gather_per_layer,
+            oom_retries=_option(args, "tree_oom_retries"),
+        )  # fmt: skip
         self.executors: dict[int, TreeExecutor] = {}
         self._by_model: dict[int, tuple] = {}  # id(model) -> (model, its executor): wrapped or not
         self.trained: list = []  # the models trained in the same steps (train_together)
         self.cost_fit, self.cost_cache = _option(args, "tree_cost_fit"), _option(args, "tree_cost_cache")
-        sharded = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
-        self.walk_only = self.multi_process or sharded  # (every step walks: tree_dense_fallback)
+        # DeepSpeed, FSDP: every step walks (tree_dense_fallback)
+        self.walk_only = accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP)
         self.dense_fallback = checked_mode(_option(args, "tree_dense_fallback"), self.walk_only)
         self.dense_margin = _option(args, "tree_dense_margin")
         self.prediction: Prediction | None = None  # prefer_dense's last
@@ -224,9 +223,12 @@ class StepWalker:
         stays in :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks.
         ``timed``: a training step, timed by :attr:`step_clock` (False: a no-gradient pass)."""
         mode = "never" if self.check_gradients and self.dense_fallback == "auto" else self.dense_fallback
+        agree = None  # (several processes: every rank the same path; a no-gradient pass has no collective)
+        if self.multi_process and timed:
+            agree = lambda values: max_over_ranks(values, self.accelerator.device)  # noqa: E731
         self.prediction, dense = decide(
             self.executor(model), sequences, mode, self.dense_margin, self.walk_only, no_grad_passes,
-            checkpointing, metrics, self.step_clock if timed else None,
+            checkpointing, metrics, self.step_clock if timed else None, agree,
         )  # fmt: skip
         return dense
 

@@ -108,8 +108,9 @@ class TreeArguments:
             own dense path where it is faster by `tree_dense_margin`; `"never"`: always walk; `"always"`:
             always TRL's dense path (for comparison). The gradients are the same either way. Each step is
             timed; once both paths were, the dense steps' measured over predicted seconds, relative to the
-            walked steps', scale the dense side's next predictions (`tree/dense_scale`). One process
-            without DeepSpeed or FSDP only (elsewhere every step walks, and `"always"` is refused). All
+            walked steps', scale the dense side's next predictions (`tree/dense_scale`). One process or
+            several under DDP (every rank takes the path the slowest rank's predictions choose: one
+            all-reduce a step); under DeepSpeed or FSDP every step walks, and `"always"` is refused. All
             three trainers, not with a value model or `check_staleness_at_training`.
         tree_dense_margin (`float`, defaults to 0.1):
             The dense path is taken where its predicted time x (1 + margin) is below the walk's.
