@@ -355,6 +355,8 @@ def test_refusals(model_dir, tmp_path):
                             rollout_worker=QueueWorker([]), weight_transfer=NoWeightTransfer())  # fmt: skip
     with pytest.raises(ValueError, match="use_liger_kernel"):
         make_trainer(model_dir, tmp_path, use_liger_kernel=True)
+    with pytest.raises(ValueError, match='"always" is not supported with check_staleness_at_training'):
+        make_trainer(model_dir, tmp_path, check_staleness_at_training=True, tree_dense_fallback="always")
     plain = dict(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to=[], max_steps=1)
     with pytest.raises(ValueError, match="token_budget"):  # a plain AsyncGRPOConfig is checked too
         AsyncTreePPOTrainer(str(model_dir), args=AsyncGRPOConfig(**plain, token_budget=64))

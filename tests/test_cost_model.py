@@ -390,9 +390,11 @@ def test_the_dense_fallback_is_refused_where_every_step_must_walk(tmp_path):
 
 def test_the_step_tree_check_gradients_checks_is_walked(tmp_path):
     """A step the cost model would send to the dense path walks while ``tree_check_gradients`` has yet to
-    check a step (the check compares the walk with the dense path); after it, the fallback decides."""
+    check a step (the check compares the walk with the dense path), "always" too; after it, the fallback
+    decides."""
     model = tiny_model().train()
-    walker = _walker("auto", model, tmp_path, tree_check_gradients=True)
-    assert not walker.prefer_dense(model, _unshared())
-    walker.check_gradients = False  # (as after the first gradient step, which checked)
-    assert walker.prefer_dense(model, _unshared())
+    for mode in ("auto", "always"):
+        walker = _walker(mode, model, tmp_path, tree_check_gradients=True)
+        assert not walker.prefer_dense(model, _unshared())
+        walker.check_gradients = False  # (as after the first gradient step, which checked)
+        assert walker.prefer_dense(model, _unshared())

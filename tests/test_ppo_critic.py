@@ -264,3 +264,6 @@ def test_what_a_value_model_cannot_do_is_refused_when_the_trainer_is_built(tmp_p
     small = value_model_from(tiny_model(tiny_tokenizer(), vocab_size=200))
     with pytest.raises(Exception, match="(?i)tokenizer"):
         make_trainer(TreeScripted, make_config(tmp_path, TreePPOConfig), model=policy, value_model=small)
+    forced = make_config(tmp_path, TreePPOConfig, tree_dense_fallback="always")  # (the value model walks)
+    with pytest.raises(ValueError, match='"always" is not supported with a value model'):
+        make_trainer(TreeScripted, forced, model=policy, value_model=value_model_from(policy))

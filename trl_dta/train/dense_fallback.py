@@ -53,12 +53,20 @@ class Prediction(NamedTuple):
 def checked_mode(mode: str, walk_only: bool) -> str:
     """``tree_dense_fallback`` as the step seam takes it: "always" is refused where every step must walk
     (``walk_only``: DeepSpeed or FSDP, whose steps the walk reduces and steps)."""
-    if mode == "always" and walk_only:
-        raise ValueError(
-            'tree_dense_fallback="always" is not supported under DeepSpeed or FSDP: there every step walks '
-            "(the walk reduces the step's gradients and steps the engine itself)."
-        )
+    if walk_only:
+        refuse_always(mode, "under DeepSpeed or FSDP (the walk reduces the step's gradients and steps the "
+                      "engine itself)")  # fmt: skip
     return mode
+
+
+def refuse_always(mode: str, where: str) -> None:
+    """Refuse ``tree_dense_fallback="always"`` ``where`` every step walks (a trainer's setting that needs the
+    step's walk), rather than walk where the user asked for the dense path."""
+    if mode == "always":
+        raise ValueError(
+            f'tree_dense_fallback="always" is not supported {where}: there every step walks. Use "auto" or '
+            '"never".'
+        )
 
 
 def dense_terms(sequences: Sequence, checkpointing: bool = False) -> tuple[float, float, float, float]:

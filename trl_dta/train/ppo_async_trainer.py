@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader
 from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
 from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset, _EmptyIterableDataset
 
-from .dense_fallback import StepClockCallback
+from .dense_fallback import StepClockCallback, refuse_always
 from .ppo_async_config import AsyncTreePPOConfig, check_async_arguments
 from .ppo_async_data import SampleBatcher, SampleCollator, VersionedQueue
 from .ppo_async_loss import (
@@ -131,6 +131,8 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         if getattr(a, "use_decoupled_loss", False):
             self._decoupled = Decoupled(a.behav_imp_weight_cap, a.behav_imp_weight_mode)
         self._init_value_model(value_model)  # (PPO with a value model: ppo_async_values.py)
+        if getattr(a, "check_staleness_at_training", False):
+            refuse_always(self._walker.dense_fallback, "with check_staleness_at_training (it needs the walk)")
         self._step_batches: list[dict] = []  # the current optimizer step's micro-batches (get_batch_samples)
         self._tree_position = 0  # micro-batches of the current step served so far
         self._tree_dense = False  # the current step takes the dense path (tree_dense_fallback)

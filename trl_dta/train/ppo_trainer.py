@@ -40,7 +40,7 @@ from trl.trainer.utils import split_tensor_dict
 
 from ..vllm import VLLMMixin
 from . import ppo_repartition
-from .dense_fallback import StepClockCallback
+from .dense_fallback import StepClockCallback, refuse_always
 from .ppo_config import TreePPOConfig
 from .ppo_losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
 from .ppo_rows import concat_batches, take_rows
@@ -113,6 +113,8 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         self._repartition = self._walker.multi_process and not (
             self.loss_type == "bnpo" or self.top_entropy_quantile < 1.0 or self._entropy_bonus_enabled
         )
+        if self._repartition and self.aux_loss_enabled:  # (TRL's router loss is not row-normalised)
+            refuse_always(self._walker.dense_fallback, "with a router loss on re-partitioned rows")
 
     def _executor(self, model):
         """The walk's executor of ``model`` (the step seam's)."""
@@ -240,7 +242,7 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         buffered = self._buffered_inputs
         if (
             self._critic is not None
-            or (self._repartition and self.aux_loss_enabled)  # (TRL's aux term is not row-normalised)
+            or (self._repartition and self.aux_loss_enabled)  # (TRL's router loss is not row-normalised)
             or buffered is None
             or index >= len(buffered)
             or buffered[index] is not inputs

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from .dense_fallback import refuse_always
 from .ppo_critic import Critic, load_value_model
 from .ppo_losses import loss_mask
 from .ppo_step import RowLosses, scatter, step_sequences
@@ -44,6 +45,7 @@ class ValueModelMixin:
         if value_model is None:
             return
         check_value_model(value_model, self.accelerator)
+        refuse_always(self._walker.dense_fallback, "with a value model (its walk shares the policy's trie)")
         a = self.args
         if isinstance(value_model, str):
             kwargs = dict(a.model_init_kwargs or {})

@@ -222,7 +222,7 @@ class StepWalker:
         :func:`trl_dta.train.dense_fallback.decide` documents the arguments and the metrics); the prediction
         stays in :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks.
         ``timed``: a training step, timed by :attr:`step_clock` (False: a no-gradient pass)."""
-        mode = "never" if self.check_gradients and self.dense_fallback == "auto" else self.dense_fallback
+        mode = "never" if self.check_gradients else self.dense_fallback
         agree = None  # (several processes: every rank the same path; a no-gradient pass has no collective)
         if self.multi_process and timed:
             agree = lambda values: max_over_ranks(values, self.accelerator.device)  # noqa: E731

@@ -110,8 +110,9 @@ class TreeArguments:
             timed; once both paths were, the dense steps' measured over predicted seconds, relative to the
             walked steps', scale the dense side's next predictions (`tree/dense_scale`). One process or
             several under DDP (every rank takes the path the slowest rank's predictions choose: one
-            all-reduce a step); under DeepSpeed or FSDP every step walks, and `"always"` is refused. All
-            three trainers, not with a value model or `check_staleness_at_training`.
+            all-reduce a step); under DeepSpeed or FSDP every step walks. All three trainers, not with a
+            value model or `check_staleness_at_training`. Where every step walks, `"always"` is refused
+            when the trainer is built.
         tree_dense_margin (`float`, defaults to 0.1):
             The dense path is taken where its predicted time x (1 + margin) is below the walk's.
     """
