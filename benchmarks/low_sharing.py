@@ -20,12 +20,13 @@ the walk forced (``"never"``) beside it to show what the fallback saves. Cases, 
 ``--processes N``: N DDP processes (this script relaunched by torchrun, gloo, ``--threads`` each), each
 with the per-process batch above (N times the rows a step), stock and tree alike; rank 0 reports.
 
-Runs alternate stock, tree (auto), tree (never), ... ``--repeats`` times after one round of warm-up, each a
-fresh trainer of ``--steps`` optimizer steps, each (unless ``--keep_cache``) with an empty cost cache: the
-tree trainer starts from the shipped constants, as on a machine's first run. Timed: each optimizer step's
-wall time (``on_step_begin`` to ``on_step_end``), and their sum per run. Reported: the median step time
-and the median run time of each side, the ratios stock / tree (speed relative to stock: ≥ 1 is as fast),
-the dedup ratio (the walk's), and the share of steps the tree trainer took TRL's dense path (``tree/path``).
+Runs alternate stock, tree (auto), tree (never), ... (``--sides``: which; ``tree-always`` too)
+``--repeats`` times after one round of warm-up, each a fresh trainer of ``--steps`` optimizer steps, each
+(unless ``--keep_cache``) with an empty cost cache: the tree trainer starts from the shipped constants, as
+on a machine's first run. Timed: each optimizer step's wall time (``on_step_begin`` to ``on_step_end``),
+and their sum per run. Reported: the median step time and the median run time of each side, the ratios
+stock / tree (speed relative to stock: ≥ 1 is as fast), the dedup ratio (the walk's), and the share of
+steps each tree side took TRL's dense path (``tree/path``).
 """
 
 from __future__ import annotations
@@ -181,6 +182,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--processes", type=int, default=1, help="DDP processes (torchrun, gloo)")
+    ap.add_argument("--sides", default="stock,tree-auto,tree-never",
+                    help="stock first, then tree-auto, tree-never, tree-always")  # fmt: skip
     ap.add_argument("--keep_cache", action="store_true", help="reuse fitted constants across runs")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out", "low_sharing.json"))
     args = ap.parse_args()
@@ -193,7 +196,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     load, started = load_average(), time.perf_counter()
     cases = list(CASES) if args.case == "all" else [args.case]
-    sides = ("stock", "tree-auto", "tree-never")
+    sides = tuple(args.sides.split(","))
+    if sides[0] != "stock" or not set(sides[1:]) <= {"tree-auto", "tree-never", "tree-always"}:
+        ap.error("--sides: stock first, then some of tree-auto, tree-never, tree-always")
     results = {}
     for case in cases:
         runs = {side: [] for side in sides}
@@ -209,15 +214,16 @@ def main() -> None:
             "median_train_s": train,
             "speed_vs_stock": {s: med["stock"] / med[s] for s in sides[1:]},
             "train_speed_vs_stock": {s: train["stock"] / train[s] for s in sides[1:]},
-            "dense_share": statistics.mean(p for r in runs["tree-auto"] for p in r["paths"]),
-            "dedup_ratio": statistics.median(d for r in runs["tree-never"] for d in r["dedup"]),
+            "dense_share": {s: statistics.mean(p for r in runs[s] for p in r["paths"]) for s in sides[1:]},
+            "dedup_ratio": statistics.median(d for s in sides[1:] for r in runs[s] for d in r["dedup"]),
             "runs": runs,
         }
         r = results[case]
         if main_rank:
             print(f"{case}: median step s {({k: round(v, 4) for k, v in med.items()})}, speed vs stock "
                   f"{({k: round(v, 3) for k, v in r['speed_vs_stock'].items()})}, dense share "
-                  f"{r['dense_share']:.2f}, dedup {r['dedup_ratio']:.2f}")  # fmt: skip
+                  f"{({k: round(v, 2) for k, v in r['dense_share'].items()})}, dedup "
+                  f"{r['dedup_ratio']:.2f}")  # fmt: skip
     if not main_rank:
         return
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
