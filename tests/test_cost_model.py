@@ -362,6 +362,38 @@ def test_several_processes_take_the_path_of_the_slowest_ranks_predictions(tmp_pa
     assert decide(executor, _unshared(), "never", 0.1, False, agree=lambda v: 1 / 0)[1] is False  # no call
 
 
+def test_an_moe_model_under_ddp_without_find_unused_parameters_walks(tmp_path):
+    """DDP's reduction of a dense backward waits for every parameter unless its wrapper has
+    ``find_unused_parameters``, and an MoE expert no token of a rank reached has no gradient there: such a
+    run walks every step under "auto" (no collective made), and "always" is refused; with
+    ``find_unused_parameters``, or a dense model, the dense path stays open."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=4, num_experts_per_tok=2)  # fmt: skip
+    moe, dense_model = Qwen3MoeForCausalLM(config).train(), tiny_model().train()
+    for mode in ("auto", "always"):
+        walker = _walker(mode, moe, tmp_path)
+        walker.flow.multi_process = True  # (as on several processes; the accelerator's wrapper below)
+        wrapper = SimpleNamespace(module=moe, find_unused_parameters=False)
+        walker.accelerator._models.append(wrapper)
+        lm = walker.executor(moe).lm
+        assert not walker.flow.dense_backward_ok(lm)
+        seqs = [StepSequence([k + 1] + [7] * 15, batch=0, score_from=0) for k in range(4)]
+        if mode == "always":
+            with pytest.raises(ValueError, match="set ddp_find_unused_parameters=True"):
+                walker.prefer_dense(moe, seqs)
+        else:
+            assert not walker.prefer_dense(moe, seqs)  # (mode "never": no all-reduce, none initialised)
+        wrapper.find_unused_parameters = True
+        assert walker.flow.dense_backward_ok(lm)
+    other = _walker("auto", dense_model, tmp_path)
+    other.flow.multi_process = True
+    other.accelerator._models.append(SimpleNamespace(module=dense_model, find_unused_parameters=False))
+    assert other.flow.dense_backward_ok(other.executor(dense_model).lm)  # (no experts)
+
+
 def test_dense_terms_are_one_padded_call_per_micro_batch():
     seqs = [StepSequence([1] * 10, 0, 4), StepSequence([2] * 6, 0, 0), StepSequence([3] * 8, 1, 2)]
     assert dense_terms(seqs) == (2, 2 * 10 + 8, 2 * 100 + 64, 6 + 6 + 6)

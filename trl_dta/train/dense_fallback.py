@@ -206,6 +206,8 @@ def decide(
     if auto and agree is not None:  # (a rank without sequences still takes part: zeros)
         step_s, dense_s = agree([prediction.step_s, prediction.dense_s] if prediction else [0.0, 0.0])
         dense = dense_s * (1 + margin) < step_s
+        if prediction is not None:  # (the ranks' choice)
+            prediction = prediction._replace(dense=dense)
     elif auto and prediction is not None:
         dense = prediction.dense
     if prediction is not None and clock is not None:  # (a dense step's prediction before scaling)

@@ -32,6 +32,11 @@ from ..walk import deepspeed as zero
 from ..walk.errors import UnsupportedModelError
 from ..walk.sharding import fsdp_units
 
+UNUSED_EXPERTS = (
+    "for an MoE model under DDP without find_unused_parameters (set ddp_find_unused_parameters=True: an "
+    "expert no token of a rank reached would leave DDP's reduction of the dense backward unfinished)"
+)
+
 
 def check_distributed(accelerator, per_layer: bool = False) -> None:
     """Single process, DDP (multi-GPU / multi-CPU), FSDP2 and DeepSpeed ZeRO-2/3 are supported; FSDP1, FSDP
@@ -125,6 +130,26 @@ class StepFlow:
         for m in (None if wrapped is None else wrapped.engine, model):
             if isinstance(m, DeepSpeedEngine):
                 zero.register_engine(m)
+
+    def agreement(self, timed: bool):
+        """What makes every rank take the same path at a step's decision (``agree`` of
+        :func:`~trl_dta.train.dense_fallback.decide`): on several processes, for a training step, the largest
+        predictions over ranks (:func:`max_over_ranks`); else None (a no-gradient pass has no collective)."""
+        if not (self.multi_process and timed):
+            return None
+        return lambda values: max_over_ranks(values, self.accelerator.device)
+
+    def dense_backward_ok(self, lm) -> bool:
+        """Whether TRL's dense backward of ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`) completes under
+        DDP: an MoE model's expert that no token of a rank reached has no gradient there, which DDP's
+        reduction waits for unless its wrapper has ``find_unused_parameters`` (transformers turns it off under
+        activation checkpointing). The walk reduces by itself: only the dense path needs it."""
+        if not (self.multi_process and lm.is_moe) or self.deepspeed:
+            return True
+        for wrapper in getattr(self.accelerator, "_models", []):  # (the models accelerate prepared)
+            if getattr(wrapper, "module", None) is lm.model and hasattr(wrapper, "find_unused_parameters"):
+                return bool(wrapper.find_unused_parameters)
+        return True
 
     def needs_idle_walks(self, module) -> bool:
         """Whether a rank with nothing to walk must walk anyway (its walks take part in collectives)."""

@@ -54,10 +54,10 @@ from ..walk.cost_model import CostModel
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
 from ..walk.preflight import preflight
-from .dense_fallback import Prediction, StepClock, checked_mode, decide
+from .dense_fallback import Prediction, StepClock, checked_mode, decide, refuse_always
 from .gradient_check import GradientCheck
 from .load_balancing import step_router_grad
-from .multi_process import StepFlow, check_distributed, max_over_ranks
+from .multi_process import UNUSED_EXPERTS, StepFlow, check_distributed
 from .refusals import LengthBound, check_arguments, tokenizer_size
 from .step_results import SequenceResults, StepSequence
 from .tree_args import TreeArguments
@@ -222,13 +222,13 @@ class StepWalker:
         :func:`trl_dta.train.dense_fallback.decide` documents the arguments and the metrics); the prediction
         stays in :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks.
         ``timed``: a training step, timed by :attr:`step_clock` (False: a no-gradient pass)."""
-        mode = "never" if self.check_gradients else self.dense_fallback
-        agree = None  # (several processes: every rank the same path; a no-gradient pass has no collective)
-        if self.multi_process and timed:
-            agree = lambda values: max_over_ranks(values, self.accelerator.device)  # noqa: E731
+        mode, executor = "never" if self.check_gradients else self.dense_fallback, self.executor(model)
+        if timed and mode != "never" and not self.flow.dense_backward_ok(executor.lm):
+            refuse_always(mode, UNUSED_EXPERTS)
+            mode = "never"
         self.prediction, dense = decide(
-            self.executor(model), sequences, mode, self.dense_margin, self.walk_only, no_grad_passes,
-            checkpointing, metrics, self.step_clock if timed else None, agree,
+            executor, sequences, mode, self.dense_margin, self.walk_only, no_grad_passes, checkpointing,
+            metrics, self.step_clock if timed else None, self.flow.agreement(timed),
         )  # fmt: skip
         return dense
 
