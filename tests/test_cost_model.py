@@ -399,6 +399,8 @@ def test_dense_terms_are_one_padded_call_per_micro_batch():
     assert dense_terms(seqs) == (2, 2 * 10 + 8, 2 * 100 + 64, 6 + 6 + 6)
     calls, tokens, pairs, _ = dense_terms(seqs, checkpointing=True)
     assert calls == pytest.approx(8 / 3) and tokens == pytest.approx(28 * 4 / 3)
+    # the dense forward's own tensors: padding rows and columns, and a micro-batch of padding rows only
+    assert dense_terms(seqs, shapes=[(3, 12), (1, 8), (2, 5)]) == (3, 36 + 8 + 10, 3 * 144 + 64 + 50, 18)
 
 
 def test_the_dense_fallback_is_refused_where_every_step_must_walk(tmp_path):

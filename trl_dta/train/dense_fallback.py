@@ -69,21 +69,27 @@ def refuse_always(mode: str, where: str) -> None:
         )
 
 
-def dense_terms(sequences: Sequence, checkpointing: bool = False) -> tuple[float, float, float, float]:
+Shapes = Sequence[tuple[int, int]] | None  # per micro-batch, (rows, width) of TRL's dense forward's tensors
+
+
+def dense_terms(sequences: Sequence, checkpointing: bool = False,
+                shapes: Shapes = None) -> tuple[float, float, float, float]:  # fmt: skip
     """``(calls, tokens, pairs, scored)`` of TRL's dense path over ``sequences`` (each with ``tokens``,
-    ``batch`` and ``score_from``): one call per micro-batch of right-padded rows."""
+    ``batch`` and ``score_from``): one call per micro-batch of right-padded rows. ``shapes``: per micro-batch,
+    the ``(rows, width)`` of the tensors TRL's dense forward takes (padding rows and columns counted, and a
+    micro-batch with no sequence still a call); else each micro-batch's sequences, padded to the longest."""
     batches: dict[int, list] = {}
     for s in sequences:
         batches.setdefault(s.batch, []).append(s)
+    sizes = {b: (len(rows), max(len(s.tokens) for s in rows)) for b, rows in batches.items()}
+    sizes.update(enumerate(shapes or ()))
     share = RECOMPUTE if checkpointing else 1.0
-    calls = tokens = pairs = scored = 0.0
-    for rows in batches.values():
-        width = max(len(s.tokens) for s in rows)
+    calls = tokens = pairs = 0.0
+    for rows, width in sizes.values():
         calls += share
-        tokens += share * len(rows) * width
-        pairs += share * len(rows) * width * width
-        scored += sum(len(s.tokens) - s.score_from for s in rows)
-    return calls, tokens, pairs, scored
+        tokens += share * rows * width
+        pairs += share * rows * width * width
+    return calls, tokens, pairs, float(sum(len(s.tokens) - s.score_from for s in sequences))
 
 
 class StepClock:
@@ -162,23 +168,23 @@ class StepClockCallback(TrainerCallback):
 
 
 def predict(executor, trie, sequences: Sequence, no_grad_passes: float = 0.0, checkpointing: bool = False,
-            margin: float = 0.1, dense_scale: float = 1.0) -> Prediction:  # fmt: skip
+            margin: float = 0.1, dense_scale: float = 1.0, shapes: Shapes = None) -> Prediction:  # fmt: skip
     """The walk's and the dense path's predicted seconds for a step (module docstring), by ``executor``'s
-    cost model (a :class:`~trl_dta.walk.executor.TreeExecutor` with one)."""
+    cost model (a :class:`~trl_dta.walk.executor.TreeExecutor` with one; ``shapes``: :func:`dense_terms`)."""
     model: CostModel = executor.cost_model
     executor.fitted_costs()  # (the model's prior and cached fit, at the first use)
     plan = executor.plan(trie, record=False)
     _, node_from = scored_from(trie, [s.score_from for s in sequences])
     walk = model.seconds(plan_terms(plan, model.template, executor.pack_leaves, node_from)) + model.overhead_s
     step = walk * (1 + NO_GRAD_SHARE * no_grad_passes)
-    dense = model.seconds(dense_terms(sequences, checkpointing)) * dense_scale
+    dense = model.seconds(dense_terms(sequences, checkpointing, shapes)) * dense_scale
     return Prediction(walk, step, dense, dense * (1 + margin) < step)
 
 
 def decide(
     executor, sequences: Sequence, mode: str, margin: float, walk_only: bool,
     no_grad_passes: float = 0.0, checkpointing: bool = False, metrics=None, clock: StepClock | None = None,
-    agree: Callable[[list[float]], list[float]] | None = None,
+    agree: Callable[[list[float]], list[float]] | None = None, shapes: Shapes = None,
 ) -> tuple[Prediction | None, bool]:  # fmt: skip
     """The prediction for a step of ``sequences`` (None without a cost model or sequences) and whether it
     takes the dense path: ``mode`` "always" and "never" say so; "auto" says dense where the prediction
@@ -188,7 +194,8 @@ def decide(
     (:func:`~trl_dta.train.multi_process.max_over_ranks`; every rank calls ``decide`` at the same point):
     "auto" then compares the slowest rank's predicted walk with the slowest rank's predicted dense step (the
     ranks wait for each other at the gradients' all-reduce), so that every rank takes the same path (DDP's
-    dense backward reduces in lock-step). ``no_grad_passes``:
+    dense backward reduces in lock-step). ``shapes``: the dense forward's tensors (:func:`dense_terms`).
+    ``no_grad_passes``:
     walks the trainer makes before the gradient walk (an accuracy pass); ``checkpointing``: the dense path
     recomputes its forward. Logs ``tree/path`` (1: dense, 0: the walk), ``tree/predicted_s`` and
     ``tree/predicted_dense_s`` into ``metrics``; for a dense step also the trie's ``tree/tokens``,
@@ -202,7 +209,7 @@ def decide(
     auto = mode == "auto" and not walk_only and executor.cost_model is not None
     if sequences and executor.cost_model is not None:
         trie = PrefixTrie.from_sequences([s.tokens for s in sequences])
-        prediction = predict(executor, trie, sequences, no_grad_passes, checkpointing, margin, scale)
+        prediction = predict(executor, trie, sequences, no_grad_passes, checkpointing, margin, scale, shapes)
     if auto and agree is not None:  # (a rank without sequences still takes part: zeros)
         step_s, dense_s = agree([prediction.step_s, prediction.dense_s] if prediction else [0.0, 0.0])
         dense = dense_s * (1 + margin) < step_s

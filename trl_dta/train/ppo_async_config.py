@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
 from ..walk.checks import SUPPORTED_ATTENTION
+from .dense_fallback import refuse_always
 from .ppo_value_args import ValueArguments
 from .tree_args import TreeArguments, check_flag
 
@@ -125,9 +126,12 @@ def check_async_arguments(args) -> None:
     """What :class:`~trl_dta.AsyncTreePPOTrainer` refuses in a config (an ``AsyncTreePPOConfig`` at its
     construction, a plain ``AsyncGRPOConfig`` at the trainer's): an attention the walk does not support,
     ``attn_implementation`` in ``model_init_kwargs``, a positive ``token_budget``, a decoupled loss's cap of
-    1 or less or an unknown cap mode."""
+    1 or less or an unknown cap mode, ``tree_dense_fallback="always"`` with
+    ``check_staleness_at_training``."""
     check_flag("use_decoupled_loss", getattr(args, "use_decoupled_loss", False))
     check_flag("check_staleness_at_training", getattr(args, "check_staleness_at_training", False))
+    if getattr(args, "check_staleness_at_training", False):  # (it works on the step's walk)
+        refuse_always(getattr(args, "tree_dense_fallback", "auto"), "with check_staleness_at_training")
     cap = getattr(args, "behav_imp_weight_cap", None)
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int | float) or not cap > 1):
         raise ValueError(f"behav_imp_weight_cap must be a number > 1 or None, got {cap!r}")

@@ -49,7 +49,7 @@ from torch.utils.data import DataLoader
 from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
 from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset, _EmptyIterableDataset
 
-from .dense_fallback import StepClockCallback, refuse_always
+from .dense_fallback import StepClockCallback
 from .ppo_async_config import AsyncTreePPOConfig, check_async_arguments
 from .ppo_async_data import SampleBatcher, SampleCollator, VersionedQueue
 from .ppo_async_loss import (
@@ -131,8 +131,6 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         if getattr(a, "use_decoupled_loss", False):
             self._decoupled = Decoupled(a.behav_imp_weight_cap, a.behav_imp_weight_mode)
         self._init_value_model(value_model)  # (PPO with a value model: ppo_async_values.py)
-        if getattr(a, "check_staleness_at_training", False):
-            refuse_always(self._walker.dense_fallback, "with check_staleness_at_training (it needs the walk)")
         self._step_batches: list[dict] = []  # the current optimizer step's micro-batches (get_batch_samples)
         self._tree_position = 0  # micro-batches of the current step served so far
         self._tree_dense = False  # the current step takes the dense path (tree_dense_fallback)
@@ -222,7 +220,9 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
             group = [inputs, *(self._prepare_inputs(b) for b in batches[1:])]
             samples = [s for b, x in enumerate(group) for s in micro_batch_samples(x, b)]
             seqs = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
-            self._tree_dense = self._walker.prefer_dense(model, seqs, metrics=self._metrics["train"])
+            shapes = [tuple(b["input_ids"].shape) for b in group]  # (padded_logps: all rows, padded)
+            self._tree_dense = self._walker.prefer_dense(model, seqs, metrics=self._metrics["train"],
+                                                         shapes=shapes)  # fmt: skip
             if self._tree_dense:  # (the staleness at training, logged as the walk logs it)
                 self._within_staleness(samples)
         if self._tree_dense:

@@ -252,9 +252,11 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
             group = buffered[index : index + self.current_gradient_accumulation_steps]
             seqs, _ = step_sequences(group, keep_prompt_only=self.aux_loss_enabled)
             passes = float(self.top_entropy_quantile < 1.0) + float(self.aux_loss_enabled)
+            shapes = [(len(b["prompt_ids"]), b["prompt_ids"].shape[1] + b["completion_ids"].shape[1])
+                      for b in group]  # fmt: skip
             self._tree_dense = self._walker.prefer_dense(
                 model, seqs, no_grad_passes=passes, metrics=self._metrics["train"],
-                checkpointing=bool(self.args.gradient_checkpointing),
+                checkpointing=bool(self.args.gradient_checkpointing), shapes=shapes,
             )  # fmt: skip
         if self._tree_dense:
             self._tree_position = 0 if self.accelerator.sync_gradients else self._tree_position + 1

@@ -198,6 +198,7 @@ class TreeSFTTrainer(SFTTrainer):
                 self.model, [StepSequence(s.tokens, s.batch, s.score_from) for s in samples],
                 no_grad_passes=float(self._tree_accuracy), metrics=self._metrics["train"],
                 checkpointing=bool(self.args.gradient_checkpointing),
+                shapes=[tuple(b["input_ids"].shape) for b in step.batches],
             )  # fmt: skip
         if step.dense:
             step.served += 1

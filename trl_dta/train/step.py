@@ -217,7 +217,7 @@ class StepWalker:
         return StepWalk(self, model, sequences, training, metrics, check, prefix)
 
     def prefer_dense(self, model, sequences: Sequence[StepSequence], *, no_grad_passes: float = 0.0,
-                     checkpointing: bool = False, metrics=None, timed: bool = True) -> bool:  # fmt: skip
+                     checkpointing: bool = False, metrics=None, timed=True, shapes=None) -> bool:  # fmt: skip
         """Whether the step of ``sequences`` should take TRL's dense path (``tree_dense_fallback``:
         :func:`trl_dta.train.dense_fallback.decide` documents the arguments and the metrics); the prediction
         stays in :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks.
@@ -228,7 +228,7 @@ class StepWalker:
             mode = "never"
         self.prediction, dense = decide(
             executor, sequences, mode, self.dense_margin, self.walk_only, no_grad_passes, checkpointing,
-            metrics, self.step_clock if timed else None, self.flow.agreement(timed),
+            metrics, self.step_clock if timed else None, self.flow.agreement(timed), shapes,
         )  # fmt: skip
         return dense
 
