@@ -267,8 +267,13 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         row-normalised loss divides by the micro-batch's rows, its zero-weight padding rows counted, where the
         walk divides by the configured rows (ppo_repartition.py); so rows over configured there, else 1."""
         rows, configured = inputs["completion_mask"].shape[0], self.args.per_device_train_batch_size
-        padded = self._repartition and self.model.training and rows != configured
-        return rows / configured if padded and self.loss_type in ROW_NORMALISED else 1.0
+        return rows / configured if self._padded(inputs) and self.loss_type in ROW_NORMALISED else 1.0
+
+    def _padded(self, inputs) -> bool:
+        """Whether a training micro-batch holds a re-partition's padding rows (more or fewer rows than
+        configured)."""
+        rows = inputs["completion_mask"].shape[0]
+        return self._repartition and self.model.training and rows != self.args.per_device_train_batch_size
 
     def _row_loss(self, inputs, training: bool, entropies: torch.Tensor | None) -> RowLoss:
         """TRL's loss for one micro-batch, per row: the micro-batch constants are settled here."""
@@ -326,8 +331,7 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         loss = GRPOTrainer._compute_loss(self, walked, inputs).detach()  # walked stands in for the model
         total = walked.policy + walked.aux_term
         expected = total  # what TRL's _compute_loss must give on these values
-        rows, configured = inputs["completion_mask"].shape[0], self.args.per_device_train_batch_size
-        padded = self._repartition and self.model.training and rows != configured
+        padded = self._padded(inputs)
         if padded and self.loss_type in ROW_NORMALISED:  # (TRL divides by the padded rows: _padding_scale)
             expected = walked.policy / self._padding_scale(inputs) + walked.aux_term
         if abs(float(loss) - expected) > 1e-4 * walked.magnitude + 1e-7:  # fp32 rounding of a sum of terms
