@@ -26,7 +26,8 @@
 #      budgets, calls, walk vs dense, CUDA peak, recompute, host syncs per walk); ~2 min;
 #   5. the GPU plan on paper: `launch_model.py` (kernels and FLOPs per step, walk vs dense, for Qwen3-1.7B on
 #      the tau2-2x8-10k shape: the predicted speedup the benchmark's tau2 row then checks; and the plan built
-#      with the shipped constants beside the calibrated one where launches cost 0.5-4x); ~3 min on CPU;
+#      with the shipped constants beside the calibrated one where launches cost 0.5-4x, and the bound on any
+#      plan of that attention kernel); ~3 min on CPU;
 #   5c. the cost model fitted on this GPU (issue 41): `call_costs.py --device cuda` (the offline fit), then
 #      `cost_fit.py --device cuda`: the fitted constants, the plan before and after calibration, predicted
 #      against measured walk times, from the shipped constants and from their launch cost x4; ~2 min;
