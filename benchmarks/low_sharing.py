@@ -23,10 +23,10 @@ with the per-process batch above (N times the rows a step), stock and tree alike
 Runs alternate stock, tree (auto), tree (never), ... (``--sides``: which; ``tree-always`` too)
 ``--repeats`` times after one round of warm-up, each a fresh trainer of ``--steps`` optimizer steps, each
 (unless ``--keep_cache``) with an empty cost cache: the tree trainer starts from the shipped constants, as
-on a machine's first run. Timed: each optimizer step's wall time (``on_step_begin`` to ``on_step_end``),
-and their sum per run. Reported: the median step time and the median run time of each side, the ratios
-stock / tree (speed relative to stock: ≥ 1 is as fast), the dedup ratio (the walk's), and the share of
-steps each tree side took TRL's dense path (``tree/path``).
+on a machine's first run. Timed: each optimizer step's wall time (from the end of the step before, the
+fetch of its batch included: ``StepClock``), and their sum per run. Reported: the median step time and the
+median run time of each side, the ratios stock / tree (speed relative to stock: ≥ 1 is as fast), the dedup
+ratio (the walk's), and the share of steps each tree side took TRL's dense path (``tree/path``).
 """
 
 from __future__ import annotations
@@ -54,16 +54,21 @@ ROWS = 8
 
 
 class StepClock(TrainerCallback):
-    """Wall time of each optimizer step (every case, stock and tree alike)."""
+    """Wall time of each optimizer step (every case, stock and tree alike), from the end of the step before
+    (the first: from the start of training) to its own end, as TRL's ``perf/step_s``: the Trainer fetches and
+    collates a step's batch before ``on_step_begin`` (stock ``AsyncGRPOTrainer`` packs its rows there), and
+    a step's speed includes it."""
 
     def __init__(self):
         self.seconds = []
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self._t0 = time.perf_counter()
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.seconds.append(time.perf_counter() - self._t0)
+        now = time.perf_counter()
+        self.seconds.append(now - self._last)
+        self._last = now
 
 
 # ------------------------------------------------------------------------------------------------ grpo-unique
