@@ -178,7 +178,12 @@ def predict(executor, trie, sequences: Sequence, no_grad_passes: float = 0.0, ch
     walk = model.seconds(plan_terms(plan, model.template, executor.pack_leaves, node_from)) + model.overhead_s
     step = walk * (1 + NO_GRAD_SHARE * no_grad_passes)
     dense = model.seconds(dense_terms(sequences, checkpointing, shapes)) * dense_scale
-    return Prediction(walk, step, dense, dense * (1 + margin) < step)
+    return Prediction(walk, step, dense, _dense_wins(dense, step, margin))
+
+
+def _dense_wins(dense_s: float, step_s: float, margin: float) -> bool:
+    """The rule of "auto": the dense step, ``margin`` added, is predicted faster than the walked one."""
+    return dense_s * (1 + margin) < step_s
 
 
 def decide(
@@ -212,7 +217,7 @@ def decide(
         prediction = predict(executor, trie, sequences, no_grad_passes, checkpointing, margin, scale, shapes)
     if auto and agree is not None:  # (a rank without sequences still takes part: zeros)
         step_s, dense_s = agree([prediction.step_s, prediction.dense_s] if prediction else [0.0, 0.0])
-        dense = dense_s * (1 + margin) < step_s
+        dense = _dense_wins(dense_s, step_s, margin)
         if prediction is not None:  # (the ranks' choice)
             prediction = prediction._replace(dense=dense)
     elif auto and prediction is not None:

@@ -113,7 +113,9 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         self._repartition = self._walker.multi_process and not (
             self.loss_type == "bnpo" or self.top_entropy_quantile < 1.0 or self._entropy_bonus_enabled
         )
-        if self._repartition and self.aux_loss_enabled:  # (TRL's router loss is not row-normalised)
+        # TRL's router loss is not row-normalised: on re-partitioned rows, with padding rows, every step walks
+        self._router_loss_walks = self._repartition and self.aux_loss_enabled
+        if self._router_loss_walks:
             refuse_always(self._walker.dense_fallback, "with a router loss on re-partitioned rows")
 
     def _executor(self, model):
@@ -242,7 +244,7 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         buffered = self._buffered_inputs
         if (
             self._critic is not None
-            or (self._repartition and self.aux_loss_enabled)  # (TRL's router loss is not row-normalised)
+            or self._router_loss_walks
             or buffered is None
             or index >= len(buffered)
             or buffered[index] is not inputs
