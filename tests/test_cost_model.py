@@ -315,24 +315,59 @@ def test_steps_are_timed_and_scale_the_dense_predictions_relative_to_the_walk(tm
     stop = StepClockCallback(clock).on_pre_optimizer_step
     assert walker.prefer_dense(model, _unshared(), metrics=metrics) and clock.scale == 1.0
     stop(None, None, None)  # (the optimizer step)
-    assert clock.last_dense_s > 0 and len(clock.ratios[True]) == 1 and "tree/dense_s" not in metrics
-    clock.ratios[True].extend([50.0] * 3)  # (dense steps measured far slower than priced: alone, no matter)
+    assert clock.last_dense_s > 0 and len(clock.measured[True]) == 1 and "tree/dense_s" not in metrics
+    clock.measured[True].extend([(50.0, lambda: 1.0)] * 3)  # (dense steps far slower than priced: alone,
+    # no matter)
     assert walker.prefer_dense(model, _unshared(), metrics=metrics) and clock.scale == 1.0
     assert metrics["tree/dense_s"] == [clock.last_dense_s] and metrics["tree/dense_scale"] == [1.0]
     clock.cancel()  # (as at the next decision: this one ended without an optimizer step)
     stop(None, None, None)
-    assert len(clock.ratios[True]) == 4
+    assert len(clock.measured[True]) == 4
     assert not walker.prefer_dense(model, _shared(), metrics=metrics)  # a walked step, timed as well
     stop(None, None, None)
-    assert len(clock.ratios[False]) == 1 and clock.ratios[False][0] > 0
-    clock.ratios[True].clear()
-    clock.ratios[True].extend([1e4 * clock.ratios[False][0]] * clock.WINDOW)  # 10^4 x the walk's ratio
+    assert len(clock.measured[False]) == 1 and clock.ratios(False)[0] > 0
+    walk_ratio = clock.ratios(False)[0]
+    clock.measured[True].clear()
+    clock.measured[True].extend([(1e4 * walk_ratio, lambda: 1.0)] * clock.WINDOW)  # 10^4 x the walk's ratio
     assert not walker.prefer_dense(model, _unshared(), metrics=metrics)  # the walk wins again
     assert metrics["tree/dense_scale"][-1] == pytest.approx(1e4)
     assert walker.prediction.dense_s > walker.prediction.walk_s
     clock.cancel()
     walker.prefer_dense(model, _unshared(), timed=False)  # (a no-gradient pass: never timed)
     assert clock._running is None
+
+
+def test_measured_steps_are_compared_with_the_constants_in_use(tmp_path):
+    """A measured step is compared with its price by the constants in use at each decision, not with the
+    prediction made when it ran: once the fit adopts other constants, both paths' measured steps are priced
+    by them, and the dense side's scale follows. (With ratios of the older predictions, a run whose fit
+    changed after its walked steps went on taking a dense path measured slower than the walk, on a step
+    shape the new constants mispriced: seen on async-single.)"""
+    from trl_dta.train.dense_fallback import StepClockCallback
+
+    model = tiny_model().train()
+    walker = _walker("auto", model, tmp_path)
+    _calibrate(walker, model, CPU)
+    clock, stop = walker.step_clock, StepClockCallback(walker.step_clock).on_pre_optimizer_step
+    assert not walker.prefer_dense(model, _shared())  # a walked step, measured
+    walked = walker.prediction
+    stop(None, None, None)
+    assert walker.prefer_dense(model, _unshared())  # a dense step, measured
+    dense = walker.prediction
+    stop(None, None, None)
+    (walk_s, _), (dense_s, _) = clock.measured[False][0], clock.measured[True][0]
+    assert clock.ratios(False) == [pytest.approx(walk_s / walked.step_s)]
+    assert clock.ratios(True) == [pytest.approx(dense_s / dense.dense_s)]
+    before = clock.scale
+    # a refit whose tokens cost a tenth and attention pairs ten times as much: the padded dense rows (every
+    # pair of each row) now cost more against the walk's calls than when they ran
+    cost_model = walker.executor(model).cost_model
+    cost_model.active = CPU._replace(per_token=CPU.per_token / 10, per_pair=CPU.per_pair * 10)
+    assert walked.price_step() != pytest.approx(walked.step_s) and dense.price_dense() != dense.dense_s
+    assert clock.ratios(False) == [pytest.approx(walk_s / walked.price_step())]
+    assert clock.ratios(True) == [pytest.approx(dense_s / dense.price_dense())]
+    assert clock.scale == pytest.approx(clock.ratios(True)[0] / clock.ratios(False)[0])
+    assert clock.scale != pytest.approx(before)
 
 
 def test_several_processes_take_the_path_of_the_slowest_ranks_predictions(tmp_path):

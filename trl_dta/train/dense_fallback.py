@@ -42,12 +42,16 @@ RECOMPUTE = 4 / 3  # gradient checkpointing: each call forwards twice
 
 
 class Prediction(NamedTuple):
-    """A step's predicted seconds: its gradient walk, every pass of the walk, TRL's dense path; the choice."""
+    """A step's predicted seconds: its gradient walk, every pass of the walk, TRL's dense path; the choice;
+    and the step's two prices by the constants in use when called (``price_step``: every pass of the walk;
+    ``price_dense``: the dense path, unscaled), which :class:`StepClock` compares measured steps with."""
 
     walk_s: float
     step_s: float
     dense_s: float
     dense: bool
+    price_step: Callable[[], float] = lambda: 0.0
+    price_dense: Callable[[], float] = lambda: 0.0
 
 
 def checked_mode(mode: str, walk_only: bool) -> str:
@@ -101,31 +105,43 @@ class StepClock:
     the loss's bookkeeping, TRL's LM head over every position on the dense path), so only the two paths'
     ratios compare: :attr:`scale` is the geometric mean of measured over predicted seconds of the last
     ``WINDOW`` dense steps over that of the last ``WINDOW`` walked steps, 1 until both paths have been
-    measured. It multiplies the dense side's next predictions."""
+    measured. It multiplies the dense side's next predictions. Each step keeps its price (a function of the
+    constants in use), not a number: once the fit adopts other constants, every measured step is compared
+    with what they predict for it. (Ratios of predictions made by older constants would compare a path
+    priced by a fit since replaced with one priced by the new fit: a run whose fit changed after its walked
+    steps could go on taking a dense path measured slower than the walk, never walking again to correct it.)
+    """
 
     WINDOW = 8
 
     def __init__(self):
-        self.ratios = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}  # by dense
+        # by dense: (measured seconds, price: the step's predicted seconds by the constants in use)
+        self.measured = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}
         self.last_dense_s: float | None = None  # the latest measured dense step
-        self._running: tuple | None = None  # (dense, predicted seconds, start: a time or a CUDA event)
-        self._pending: list[tuple] = []  # CUDA: (dense, predicted, start event, end event)
+        self._running: tuple | None = None  # (dense, price, start: a time or a CUDA event)
+        self._pending: list[tuple] = []  # CUDA: (dense, price, start event, end event)
+
+    def ratios(self, dense: bool) -> list[float]:
+        """Measured over predicted seconds of the last measured steps of a path, by the constants in use."""
+        self._collect()
+        priced = ((seconds, price()) for seconds, price in self.measured[dense])
+        return [seconds / predicted for seconds, predicted in priced if predicted > 0]
 
     @property
     def scale(self) -> float:
-        self._collect()
-        if not (self.ratios[True] and self.ratios[False]):
+        ratios = {dense: self.ratios(dense) for dense in (True, False)}
+        if not (ratios[True] and ratios[False]):
             return 1.0
-        mean = {k: sum(map(math.log, r)) / len(r) for k, r in self.ratios.items()}
+        mean = {k: sum(map(math.log, r)) / len(r) for k, r in ratios.items()}
         return math.exp(mean[True] - mean[False])
 
-    def start(self, dense: bool, predicted_s: float, device: torch.device) -> None:
+    def start(self, dense: bool, price: Callable[[], float], device: torch.device) -> None:
         if device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self._running = (dense, predicted_s, event)
+            self._running = (dense, price, event)
         else:
-            self._running = (dense, predicted_s, time.perf_counter())
+            self._running = (dense, price, time.perf_counter())
 
     def cancel(self) -> None:
         """Forget a step that ended without an optimizer step (an evaluation, an interrupted step)."""
@@ -135,25 +151,25 @@ class StepClock:
         """At the optimizer step (nothing running: a step the fallback did not decide)."""
         if self._running is None:
             return
-        dense, predicted, start = self._running
+        dense, price, start = self._running
         self._running = None
         if isinstance(start, float):
-            self._add(dense, predicted, time.perf_counter() - start)
+            self._add(dense, price, time.perf_counter() - start)
         else:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._pending.append((dense, predicted, start, end))
+            self._pending.append((dense, price, start, end))
 
     def _collect(self) -> None:
         while self._pending and self._pending[0][3].query():
-            dense, predicted, start, end = self._pending.pop(0)
-            self._add(dense, predicted, start.elapsed_time(end) / 1e3)
+            dense, price, start, end = self._pending.pop(0)
+            self._add(dense, price, start.elapsed_time(end) / 1e3)
 
-    def _add(self, dense: bool, predicted: float, seconds: float) -> None:
+    def _add(self, dense: bool, price: Callable[[], float], seconds: float) -> None:
         if dense:
             self.last_dense_s = seconds
-        if predicted > 0 and seconds > 0:
-            self.ratios[dense].append(seconds / predicted)
+        if seconds > 0:
+            self.measured[dense].append((seconds, price))
 
 
 class StepClockCallback(TrainerCallback):
@@ -175,10 +191,18 @@ def predict(executor, trie, sequences: Sequence, no_grad_passes: float = 0.0, ch
     executor.fitted_costs()  # (the model's prior and cached fit, at the first use)
     plan = executor.plan(trie, record=False)
     _, node_from = scored_from(trie, [s.score_from for s in sequences])
-    walk = model.seconds(plan_terms(plan, model.template, executor.pack_leaves, node_from)) + model.overhead_s
-    step = walk * (1 + NO_GRAD_SHARE * no_grad_passes)
-    dense = model.seconds(dense_terms(sequences, checkpointing, shapes)) * dense_scale
-    return Prediction(walk, step, dense, _dense_wins(dense, step, margin))
+    walk_terms = plan_terms(plan, model.template, executor.pack_leaves, node_from)
+    dense_t = dense_terms(sequences, checkpointing, shapes)
+
+    def price_step() -> float:  # (every pass of the walk, by the constants in use when called)
+        return (model.seconds(walk_terms) + model.overhead_s) * (1 + NO_GRAD_SHARE * no_grad_passes)
+
+    def price_dense() -> float:
+        return model.seconds(dense_t)
+
+    walk, dense = model.seconds(walk_terms) + model.overhead_s, price_dense() * dense_scale
+    step = price_step()
+    return Prediction(walk, step, dense, _dense_wins(dense, step, margin), price_step, price_dense)
 
 
 def _dense_wins(dense_s: float, step_s: float, margin: float) -> bool:
@@ -222,8 +246,8 @@ def decide(
             prediction = prediction._replace(dense=dense)
     elif auto and prediction is not None:
         dense = prediction.dense
-    if prediction is not None and clock is not None:  # (a dense step's prediction before scaling)
-        clock.start(dense, prediction.dense_s / scale if dense else prediction.step_s, executor.device)
+    if prediction is not None and clock is not None:  # (a dense step's price before scaling)
+        clock.start(dense, prediction.price_dense if dense else prediction.price_step, executor.device)
     if metrics is not None:
         metrics["tree/path"].append(float(dense))
         if clock is not None and clock.last_dense_s is not None:
