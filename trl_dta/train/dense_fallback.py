@@ -50,8 +50,8 @@ class Prediction(NamedTuple):
     step_s: float
     dense_s: float
     dense: bool
-    price_step: Callable[[], float] = lambda: 0.0
-    price_dense: Callable[[], float] = lambda: 0.0
+    price_step: Callable[[], float]
+    price_dense: Callable[[], float]
 
 
 def checked_mode(mode: str, walk_only: bool) -> str:
@@ -194,14 +194,16 @@ def predict(executor, trie, sequences: Sequence, no_grad_passes: float = 0.0, ch
     walk_terms = plan_terms(plan, model.template, executor.pack_leaves, node_from)
     dense_t = dense_terms(sequences, checkpointing, shapes)
 
-    def price_step() -> float:  # (every pass of the walk, by the constants in use when called)
-        return (model.seconds(walk_terms) + model.overhead_s) * (1 + NO_GRAD_SHARE * no_grad_passes)
+    def price_walk() -> float:  # (by the constants in use when called)
+        return model.seconds(walk_terms) + model.overhead_s
+
+    def price_step() -> float:  # (every pass of the walk)
+        return price_walk() * (1 + NO_GRAD_SHARE * no_grad_passes)
 
     def price_dense() -> float:
         return model.seconds(dense_t)
 
-    walk, dense = model.seconds(walk_terms) + model.overhead_s, price_dense() * dense_scale
-    step = price_step()
+    walk, step, dense = price_walk(), price_step(), price_dense() * dense_scale
     return Prediction(walk, step, dense, _dense_wins(dense, step, margin), price_step, price_dense)
 
 
