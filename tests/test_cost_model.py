@@ -266,9 +266,16 @@ def _calibrate(walker, model, constants: Constants):
     cost_model.active, cost_model.observed = constants, MIN_OBSERVATIONS
 
 
+def _rectangle_model():
+    """The tiny model with eager attention: a packed row computes every pair of its rectangle (sdpa on a CPU
+    attends per segment: test_segment_attention.py)."""
+    return tiny_model(attn="eager").train()
+
+
 def _unshared(n: int = 16) -> list[StepSequence]:
     """Unique prompts, rollouts differing from their first token: nothing to share. Walked, they are one
-    packed row whose dense mask computes every pair of it; dense, ``n`` padded rows compute ``n`` squares."""
+    packed row whose dense mask computes every pair of it (:func:`_rectangle_model`); dense, ``n`` padded
+    rows compute ``n`` squares."""
     return [StepSequence([k + 1] + [7] * 127, batch=0, score_from=0) for k in range(n)]
 
 
@@ -278,7 +285,7 @@ def _shared(n: int = 16) -> list[StepSequence]:
 
 
 def test_the_dense_fallback_decides_by_the_fitted_costs(tmp_path):
-    model = tiny_model().train()
+    model = _rectangle_model()
     metrics = defaultdict(list)
     assert not _walker("never", model, tmp_path).prefer_dense(model, _unshared(), metrics=metrics)
     assert _walker("always", model, tmp_path).prefer_dense(model, _unshared(), metrics=metrics)
@@ -308,7 +315,7 @@ def test_steps_are_timed_and_scale_the_dense_predictions_relative_to_the_walk(tm
     is forgotten."""
     from trl_dta.train.dense_fallback import StepClockCallback
 
-    model = tiny_model().train()
+    model = _rectangle_model()
     walker = _walker("auto", model, tmp_path)
     _calibrate(walker, model, CPU)
     clock, metrics = walker.step_clock, defaultdict(list)
@@ -345,7 +352,7 @@ def test_measured_steps_are_compared_with_the_constants_in_use(tmp_path):
     shape the new constants mispriced: seen on async-single.)"""
     from trl_dta.train.dense_fallback import StepClockCallback
 
-    model = tiny_model().train()
+    model = _rectangle_model()
     walker = _walker("auto", model, tmp_path)
     _calibrate(walker, model, CPU)
     clock, stop = walker.step_clock, StepClockCallback(walker.step_clock).on_pre_optimizer_step
@@ -375,7 +382,7 @@ def test_several_processes_take_the_path_of_the_slowest_ranks_predictions(tmp_pa
     (``agree``: the all-reduce, here another rank simulated): a rank whose own steps would go dense walks
     where another rank's walk is much faster than its dense step, and the other way round; a rank without
     sequences takes part."""
-    model = tiny_model().train()
+    model = _rectangle_model()
     walker = _walker("auto", model, tmp_path)
     _calibrate(walker, model, CPU)
     executor, seen = walker.executor(model), []
@@ -441,7 +448,7 @@ def test_dense_terms_are_one_padded_call_per_micro_batch():
 def test_the_dense_fallback_is_refused_where_every_step_must_walk(tmp_path):
     """DeepSpeed or FSDP (the walk reduces the step's gradients and steps the engine itself): "auto" walks,
     "always" is refused."""
-    model = tiny_model().train()
+    model = _rectangle_model()
     walker = _walker("auto", model, tmp_path)
     _calibrate(walker, model, CPU)
     assert not walker.walk_only and walker.prefer_dense(model, _unshared())
@@ -461,7 +468,7 @@ def test_the_step_tree_check_gradients_checks_is_walked(tmp_path):
     """A step the cost model would send to the dense path walks while ``tree_check_gradients`` has yet to
     check a step (the check compares the walk with the dense path), "always" too; after it, the fallback
     decides."""
-    model = tiny_model().train()
+    model = _rectangle_model()
     for mode in ("auto", "always"):
         walker = _walker(mode, model, tmp_path, tree_check_gradients=True)
         assert not walker.prefer_dense(model, _unshared())

@@ -9,9 +9,10 @@ One forward + backward call of the walk costs about::
 * ``per_token``: the decoder's matmuls, ``6 x`` the parameters a token runs through (forward + backward),
   at the device's FLOP rate (the LM head scores the same positions however calls are cut: left out);
 * ``per_pair``: attention, ``12 x`` the query width per query-key pair and layer. A packed row with a dense
-  additive mask (eager, sdpa) computes every pair of its ``tokens x (past + tokens)`` rectangle, masked or
-  not; a block-sparse mask (flex attention's ``BlockMask``) only the tiles that hold a visible pair, about
-  what the tree needs plus a tile's width per row.
+  additive mask (eager; sdpa on a GPU) computes every pair of its ``tokens x (past + tokens)`` rectangle,
+  masked or not; a block-sparse mask (flex attention's ``BlockMask``) only the tiles that hold a visible
+  pair, about what the tree needs plus a tile's width per row; sdpa on a CPU attends segment by segment
+  (:mod:`~trl_dta.walk.segment_attention`), about the pairs the tree needs (``per_segment``).
 
 Merging two calls saves one ``fixed`` and, with a dense mask, costs the pairs between them that the mask
 hides. A GPU's launches are expensive next to its FLOPs: it merges far more than a CPU does.
@@ -91,11 +92,14 @@ class CallCost:
     per_token: float
     per_pair: float
     block_sparse: bool = False
+    per_segment: bool = False
     overlap: bool = False
     launch_price: float = 1.0
 
     @classmethod
-    def for_model(cls, config, device_type: str, block_sparse: bool = False) -> CallCost:
+    def for_model(
+        cls, config, device_type: str, block_sparse: bool = False, per_segment: bool = False
+    ) -> CallCost:
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         device = device_costs(device_type)
         d, heads = config.hidden_size, getattr(config, "num_attention_heads", None) or 0  # (0: state models)
@@ -115,6 +119,7 @@ class CallCost:
             per_token=6 * params * layers / device.flop_rate,
             per_pair=12 * q * layers / device.flop_rate,
             block_sparse=block_sparse,
+            per_segment=per_segment,
             overlap=device.overlap,
         )
 
@@ -125,6 +130,8 @@ class CallCost:
     def row_pairs(self, past: int, tokens: int, needed: int) -> int:
         """The query-key pairs one packed call computes: ``tokens`` on a past of ``past`` tokens, the tree
         needing ``needed`` of them (the fitted model, :mod:`trl_dta.walk.cost_fit`, counts the same)."""
+        if self.per_segment:  # each segment against the keys it sees (segment_attention.py)
+            return needed
         pairs = needed + tokens * TILE if self.block_sparse else tokens * (past + tokens)
         return min(pairs, tokens * (past + tokens))
 

@@ -194,7 +194,7 @@ class TreeExecutor:
         costs = self.call_cost
         if costs is None and (self.budgets.memory is not None or explore):  # (else each leaf batch filled)
             costs = self.fitted_costs() or CallCost.for_model(
-                self.lm.config, self.device.type, self.lm.block_sparse
+                self.lm.config, self.device.type, self.lm.block_sparse, self.lm.per_segment
             )
             costs = replace(costs, fixed=0.0) if explore else costs
         return build_plan(

@@ -11,12 +11,13 @@ import torch
 from .model import CausalLM, ForwardResult
 from .packing import packed_block_mask, packed_mask
 from .plan import PackedSubtree, SiblingLeaves
+from .segment_attention import segment_keys
 from .state import Walk
 
 
 def forward(lm: CausalLM, walk: Walk, ids: torch.Tensor, start: int, **packing) -> ForwardResult:
     """Forward ``ids`` [B, L] at cache position ``start`` on the walk's path (``packing``: the packed row's
-    positions and attention mask)."""
+    positions, attention mask and segments)."""
     states = walk.states(ids.shape[0])
     walk.calls.forward += 1
     walk.calls.tokens += ids.numel()
@@ -49,13 +50,18 @@ def forward_packed(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int
     assert isinstance(step, SiblingLeaves | PackedSubtree)
     lengths = [t.numel() for t in ids]
     row = walk.inputs.row(step)  # (built on the host with the walk's other index tensors)
+    segments = None
     if lm.block_sparse:  # flex attention: only the tiles that hold a visible pair are computed
         mask = packed_block_mask(row, start)
     else:
         mask = packed_mask(row, start, lm.lm_head.weight.dtype)
+    if lm.per_segment:  # sdpa on a CPU: attention one segment at a time (segment_attention.py)
+        parents = step.parents if isinstance(step, PackedSubtree) else (-1,) * len(ids)
+        segments = segment_keys(lengths, parents, start)
     hidden, _, routers = forward(
-        lm, walk, torch.cat(ids)[None], start, positions=row.positions[None], attention_mask=mask
-    )
+        lm, walk, torch.cat(ids)[None], start, positions=row.positions[None], attention_mask=mask,
+        segments=segments,
+    )  # fmt: skip
     per_row = [None] * len(ids)
     if routers is not None:  # each [total, E]
         per_row = [list(rows) for rows in zip(*(r.split(lengths) for r in routers), strict=True)]

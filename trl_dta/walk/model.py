@@ -36,6 +36,7 @@ from .errors import UnsupportedModelError
 from .packing import causal_block_mask
 from .path_kv import PathKV
 from .probe import probe as run_probe
+from .segment_attention import SegmentAttention
 from .sharding import gathered_for_check, is_fsdp1
 
 logger = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ class CausalLM:
         # layers would carry one leaf's state into the next leaf of a packed row.
         impl = getattr(self.config, "_attn_implementation", None) or "eager"
         self.block_sparse = impl == "flex_attention"  # packed rows take a BlockMask (packing.py)
+        self._sdpa = impl == "sdpa"
         if self.block_sparse and self.device.type == "cpu" and self._probed:  # (unprobed: not placed yet)
             raise UnsupportedModelError(
                 "attn_implementation='flex_attention' is supported on CUDA only: torch's flex attention has "
@@ -182,6 +184,11 @@ class CausalLM:
     def is_moe(self) -> bool:
         """Whether the model can return router logits (TRL's test for an MoE model)."""
         return hasattr(self.config, "output_router_logits")
+
+    @property
+    def per_segment(self) -> bool:
+        """Whether a packed row's attention runs per segment (sdpa on a CPU: :mod:`.segment_attention`)."""
+        return self._sdpa and self.device.type == "cpu"
 
     @property
     def device(self) -> torch.device:
@@ -298,12 +305,15 @@ class CausalLM:
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         router_logits: bool = False,
+        segments: list | None = None,
     ) -> ForwardResult:
         """Decode ``input_ids`` ([B, L], positions ``start..start+L-1`` unless ``positions`` are given) on top
         of the path's K/V at positions ``[0, start)`` of ``kv`` and the ``states`` its last segment left
         (each with B rows: :func:`~trl_dta.walk.cache.expand_states`), causally, or with a 4-D additive
         ``attention_mask`` [B, 1, L, start + L]. The new K/V are written into ``kv`` too (when B is 1).
-        ``router_logits``: also return every router layer's logits (MoE models)."""
+        ``router_logits``: also return every router layer's logits (MoE models). ``segments``: a packed
+        row's segments and their keys (:func:`~trl_dta.walk.segment_attention.segment_keys`), attended one
+        at a time where :attr:`per_segment`."""
         if router_logits and not self.is_moe:
             raise ValueError(f"{self.name} has no MoE router.")
         batch, length = input_ids.shape
@@ -321,13 +331,15 @@ class CausalLM:
         extra = {} if attention_mask is None else {"attention_mask": attention_mask}
         if self.is_moe:  # ask explicitly: the config's own flag must not decide what the walk computes
             extra["output_router_logits"] = router_logits
-        out = self.decoder(
-            input_ids=input_ids,
-            position_ids=positions,
-            use_cache=True,
-            **{self.cache_keyword: cache},
-            **extra,
-        )
+        per_segment = segments is not None and self.per_segment and attention_mask is not None
+        with SegmentAttention(attention_mask, segments) if per_segment else contextlib.nullcontext():
+            out = self.decoder(
+                input_ids=input_ids,
+                position_ids=positions,
+                use_cache=True,
+                **{self.cache_keyword: cache},
+                **extra,
+            )
         cache.finish(self.name)
         self._check_written(cache)
         routers = None

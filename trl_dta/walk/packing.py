@@ -4,8 +4,9 @@ Sibling leaves (children of the same node) are packed side by side, each seeing 
 subtree puts trie nodes and all their descendants in one row, each segment seeing its ancestors in the row (a
 tree-shaped causal mask). Built on the device from the row's index tensors
 (:class:`~trl_dta.walk.inputs.PackedRow`), with shapes known to the host (no synchronisation): a 4-D
-additive mask for eager and sdpa attention, which compute every pair of the row's rectangle, or a
-block-sparse ``BlockMask`` for flex attention, which computes only the tiles holding a visible pair. Only for
+additive mask for eager and sdpa attention, which compute every pair of the row's rectangle (sdpa on a CPU
+attends per segment instead: :mod:`~trl_dta.walk.segment_attention`), or a block-sparse ``BlockMask`` for
+flex attention, which computes only the tiles holding a visible pair. Only for
 models the construction probe finds exact when packed (:mod:`trl_dta.walk.probe`).
 """
 

@@ -38,6 +38,7 @@ from .errors import MEMORY_ERRORS, UnsupportedModelError
 from .inputs import PackedRow
 from .packing import packed_mask
 from .path_kv import PathKV
+from .segment_attention import segment_keys
 
 logger = logging.getLogger(__name__)
 
@@ -202,8 +203,15 @@ def _packing_is_exact(p: _Probe, states, dense_leaves) -> bool:
         row = PackedRow.siblings(lengths, _PREFIX, p.device)
         mask = packed_mask(row, _PREFIX, p.lm.lm_head.weight.dtype)
         tokens = p.ids([t for leaf in p.leaves for t in leaf])
+        segments = segment_keys(lengths, (-1,) * len(lengths), _PREFIX) if p.lm.per_segment else None
         hidden, _, _ = p.lm.forward(
-            tokens, _PREFIX, p.kv, states, positions=row.positions[None], attention_mask=mask
+            tokens,
+            _PREFIX,
+            p.kv,
+            states,
+            positions=row.positions[None],
+            attention_mask=mask,
+            segments=segments,
         )
         got = p.lm.logits(hidden, 1.0)[0].to(torch.float64).split(lengths)  # (a value model's [L, 1])
         err = max(relative_error(g, ref[_PREFIX:]) for g, ref in zip(got, dense_leaves, strict=True))
