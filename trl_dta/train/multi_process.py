@@ -203,7 +203,9 @@ class StepFlow:
 
 def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
     """Average ``.grad`` over ranks (what DDP does), once per optimizer step: one flat all-reduce per
-    dtype/device. A parameter without a gradient on this rank contributes zeros."""
+    dtype/device, after which each ``.grad`` is a view of the averaged buffer (as DDP's
+    ``gradient_as_bucket_view``: no copy back). A parameter without a gradient on this rank contributes
+    zeros."""
     world = dist.get_world_size()
     groups: dict[tuple, list[torch.nn.Parameter]] = {}
     for p in params:
@@ -215,7 +217,7 @@ def all_reduce_gradients(params: list[torch.nn.Parameter]) -> None:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         flat.div_(world)
         for p, chunk in zip(group, flat.split([p.numel() for p in group]), strict=True):
-            p.grad.copy_(chunk.view_as(p.grad))
+            p.grad = chunk.view_as(p)
 
 
 def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
