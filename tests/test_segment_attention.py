@@ -115,3 +115,10 @@ def test_a_packed_row_is_priced_at_the_pairs_its_segments_see():
     per_segment = CallCost.for_model(config, "cpu", per_segment=True)
     assert per_segment.row_pairs(3, 10, 40) == 40
     assert CallCost.for_model(config, "cpu").row_pairs(3, 10, 40) == 10 * 13
+
+
+def test_a_row_is_split_where_that_computes_at_most_half_its_rectangle():
+    config = make_model().config
+    costs = CallCost.for_model(config, "cpu", per_segment=True)
+    assert costs.row_pairs(3, 10, 65) == 65  # half of 10 x 13
+    assert costs.row_pairs(3, 10, 66) == 130  # (the rectangle: not split)

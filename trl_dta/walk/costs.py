@@ -69,6 +69,14 @@ def device_costs(device_type: str) -> DeviceCosts:
 TILE = 128  # flex attention's default block size: a block-sparse row computes up to a tile past what it needs
 
 
+def per_segment_pays(past: int, tokens: int, needed: int) -> bool:
+    """Whether a packed row of ``tokens`` on a past of ``past``, the tree needing ``needed`` of its pairs, is
+    attended per segment where the model can (:mod:`~trl_dta.walk.segment_attention`): where that computes at
+    most half the row's rectangle. Closer to the rectangle, copying each segment's keys (the past, its
+    ancestors) costs about what the pairs it skips would."""
+    return 2 * needed <= tokens * (past + tokens)
+
+
 def needed_pairs(nodes) -> int:
     """Query-key pairs the tree needs for ``nodes`` (trie nodes, or segments with ``start``/``end``): each
     token attends every token before it on its path."""
@@ -130,7 +138,7 @@ class CallCost:
     def row_pairs(self, past: int, tokens: int, needed: int) -> int:
         """The query-key pairs one packed call computes: ``tokens`` on a past of ``past`` tokens, the tree
         needing ``needed`` of them (the fitted model, :mod:`trl_dta.walk.cost_fit`, counts the same)."""
-        if self.per_segment:  # each segment against the keys it sees (segment_attention.py)
+        if self.per_segment and per_segment_pays(past, tokens, needed):  # (segment_attention.py)
             return needed
         pairs = needed + tokens * TILE if self.block_sparse else tokens * (past + tokens)
         return min(pairs, tokens * (past + tokens))

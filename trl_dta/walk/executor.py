@@ -196,7 +196,8 @@ class TreeExecutor:
             costs = self.fitted_costs() or CallCost.for_model(
                 self.lm.config, self.device.type, self.lm.block_sparse, self.lm.per_segment
             )
-            costs = replace(costs, fixed=0.0) if explore else costs
+            # (exploring, rows are priced at their rectangle: split per segment a merge would cost nothing)
+            costs = replace(costs, fixed=0.0, per_segment=False) if explore else costs
         return build_plan(
             trie, budgets.block_size, budgets.batch_tokens, self.pack_leaves, subtree, costs=costs
         )

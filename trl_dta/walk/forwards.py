@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .costs import needed_pairs, per_segment_pays
 from .model import CausalLM, ForwardResult
 from .packing import packed_block_mask, packed_mask
 from .plan import PackedSubtree, SiblingLeaves
@@ -55,7 +56,7 @@ def forward_packed(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int
         mask = packed_block_mask(row, start)
     else:
         mask = packed_mask(row, start, lm.lm_head.weight.dtype)
-    if lm.per_segment:  # sdpa on a CPU: attention one segment at a time (segment_attention.py)
+    if lm.per_segment and per_segment_pays(start, sum(lengths), needed_pairs(step.segments)):  # sdpa, CPU
         parents = step.parents if isinstance(step, PackedSubtree) else (-1,) * len(ids)
         segments = segment_keys(lengths, parents, start)
     hidden, _, routers = forward(

@@ -7,7 +7,10 @@ row of ~390 tokens took ~33 ms of attention a step where TRL's packing, which at
 ms (docs/cost-model.md). While the walk forwards such a row, :class:`SegmentAttention` computes each sdpa
 call that takes the row's mask one segment at a time: the segment's queries against only the keys it may
 see, with the same mask's entries for them. The keys it leaves out are masked for every query of the
-segment, so the result is the same attention (up to the kernel's summation order).
+segment, so the result is the same attention (up to the kernel's summation order). A row is split where
+that computes at most half its rectangle (:func:`~trl_dta.walk.costs.per_segment_pays`, which the cost model
+prices by too): each segment's keys other than its own are copied, which costs about what a few skipped pairs
+save.
 
 The walk matches the call by its mask (the same storage, the row's shape), so a model that builds another
 mask from it, or attends without sdpa, computes the rectangle as before: exact either way. Used on a CPU
@@ -58,7 +61,7 @@ class SegmentAttention(TorchFunctionMode):
 
     def __init__(self, mask: torch.Tensor, keys: list[tuple[slice, object]]):
         super().__init__()
-        self._storage = mask.untyped_storage().data_ptr()
+        self._mask = mask  # (held: its storage identifies the row's sdpa calls)
         self._shape = tuple(mask.shape[-2:])
         self._keys = [(q, k.to(mask.device) if isinstance(k, torch.Tensor) else k) for q, k in keys]
         self.calls = 0
@@ -88,7 +91,9 @@ class SegmentAttention(TorchFunctionMode):
     def _is_row(self, mask, query: torch.Tensor, key: torch.Tensor) -> bool:
         return (
             isinstance(mask, torch.Tensor)
-            and mask.untyped_storage().data_ptr() == self._storage
+            and mask.data_ptr() == self._mask.data_ptr()  # (the row's mask or a slice of it from its start)
+            and mask.untyped_storage().data_ptr() == self._mask.untyped_storage().data_ptr()
+            and mask.stride()[-2:] == self._mask.stride()[-2:]
             and tuple(mask.shape[-2:]) == self._shape
             and (query.shape[-2], key.shape[-2]) == self._shape
         )
