@@ -86,3 +86,39 @@ def test_no_stale_sample_no_share():
 
 def metrics_without_version():
     return micro_batch_metrics(walked(), OneProcess(), EPS_LOW, EPS_HIGH, None, "cpu")
+
+
+class Ranks:
+    """The accelerator of rank 0 of several ranks whose gathered values are ``others`` (each rank's local
+    vector, as :func:`micro_batch_metrics` hands it to ``gather``); ``gather`` records what it is given."""
+
+    def __init__(self, others=()):
+        self.others, self.local = list(others), None
+
+    def gather(self, tensor):
+        self.local = tensor
+        return torch.cat([tensor, *self.others])
+
+
+def part(indices) -> MicroBatchWalk:
+    whole = walked()
+    return MicroBatchWalk([whole.samples[k] for k in indices], [whole.logps[k] for k in indices],
+                          [whole.entropies[k] for k in indices], 0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("decoupled", [None, Decoupled(CAP, "mask")])
+@pytest.mark.parametrize("split", [[[0, 2], [1, 3]], [[2], [], [0, 1, 3]]])
+def test_ranks_metrics_equal_one_process(decoupled, split):
+    """A micro-batch's samples split over ranks (one with none) give the metrics of one process with them
+    all: each rank's sums and extremes travel in one gathered vector."""
+    locals_ = []
+    for indices in split[1:]:
+        capture = Ranks()
+        micro_batch_metrics(part(indices), capture, EPS_LOW, EPS_HIGH, decoupled, "cpu", version=VERSION)
+        locals_.append(capture.local)
+    out = micro_batch_metrics(part(split[0]), Ranks(locals_), EPS_LOW, EPS_HIGH, decoupled, "cpu",
+                              version=VERSION)  # fmt: skip
+    expected = metrics(decoupled)
+    assert out.keys() == expected.keys()
+    for name, value in expected.items():
+        assert out[name] == pytest.approx(value, rel=1e-12, nan_ok=True), name

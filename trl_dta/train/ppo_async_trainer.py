@@ -341,11 +341,10 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         limit = self.args.max_staleness
         check = getattr(self.args, "check_staleness_at_training", False)
         over = [s for s in samples if check and s.version >= 0 and self.model_version - s.version > limit]
-        device = self.accelerator.device
-        sums = torch.tensor([sum(known), len(known), len(over)], dtype=torch.float64, device=device)
-        total, count, dropped = self.accelerator.reduce(sums, reduction="sum").tolist()
-        local = torch.tensor([max(known, default=-1)], dtype=torch.float64, device=device)
-        largest = float(self.accelerator.gather(local).max())
+        local = [sum(known), len(known), len(over), max(known, default=-1)]  # (one gather: the sums, the max)
+        local = torch.tensor(local, dtype=torch.float64, device=self.accelerator.device)
+        ranks = self.accelerator.gather(local).reshape(-1, 4)
+        (total, count, dropped), largest = ranks[:, :3].sum(0).tolist(), float(ranks[:, 3].max())
         metrics = self._metrics["train"]
         if count:
             metrics["staleness/train_max"].append(largest)
