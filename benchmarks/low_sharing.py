@@ -25,8 +25,10 @@ Runs alternate stock, tree (auto), tree (never), ... (``--sides``: which; ``tree
 (unless ``--keep_cache``) with an empty cost cache: the tree trainer starts from the shipped constants, as
 on a machine's first run. Timed: each optimizer step's wall time (from the end of the step before, the
 fetch of its batch included: ``StepClock``), and their sum per run. Reported: the median step time and the
-median run time of each side, the ratios stock / tree (speed relative to stock: ≥ 1 is as fast), the dedup
-ratio (the walk's), and the share of steps each tree side took TRL's dense path (``tree/path``).
+median run time of each side, the ratios stock / tree (speed relative to stock: ≥ 1 is as fast), the same
+ratio paired by round (the median over rounds of each round's stock run over its tree run: the machine's
+slow phases, which on two processes span whole runs, slow both), the dedup ratio (the walk's), and the share
+of steps each tree side took TRL's dense path (``tree/path``).
 """
 
 from __future__ import annotations
@@ -180,6 +182,14 @@ def run(case: str, side: str, steps: int, keep_cache: bool) -> dict:
     return {"step_s": clock.seconds, "train_s": sum(clock.seconds), "paths": paths, "dedup": dedup}
 
 
+def paired(stock: list[dict], tree: list[dict]) -> float:
+    """The median over rounds of stock's median step over the tree side's, each round's two runs adjacent in
+    time: a slow phase of the machine that spans a round slows both sides of it."""
+    pairs = zip(stock, tree, strict=True)
+    ratios = [statistics.median(a["step_s"]) / statistics.median(b["step_s"]) for a, b in pairs]
+    return statistics.median(ratios)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--case", default="all", choices=[*CASES, "all"])
@@ -219,6 +229,7 @@ def main() -> None:
             "median_train_s": train,
             "speed_vs_stock": {s: med["stock"] / med[s] for s in sides[1:]},
             "train_speed_vs_stock": {s: train["stock"] / train[s] for s in sides[1:]},
+            "paired_speed_vs_stock": {s: paired(runs["stock"], runs[s]) for s in sides[1:]},
             "dense_share": {s: statistics.mean(p for r in runs[s] for p in r["paths"]) for s in sides[1:]},
             "dedup_ratio": statistics.median(d for s in sides[1:] for r in runs[s] for d in r["dedup"]),
             "runs": runs,
@@ -226,7 +237,8 @@ def main() -> None:
         r = results[case]
         if main_rank:
             print(f"{case}: median step s {({k: round(v, 4) for k, v in med.items()})}, speed vs stock "
-                  f"{({k: round(v, 3) for k, v in r['speed_vs_stock'].items()})}, dense share "
+                  f"{({k: round(v, 3) for k, v in r['speed_vs_stock'].items()})}, paired "
+                  f"{({k: round(v, 3) for k, v in r['paired_speed_vs_stock'].items()})}, dense share "
                   f"{({k: round(v, 2) for k, v in r['dense_share'].items()})}, dedup "
                   f"{r['dedup_ratio']:.2f}")  # fmt: skip
     if not main_rank:
