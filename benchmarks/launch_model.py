@@ -38,6 +38,7 @@ falls short of 0.9 of the FLOP ideal and the bound too, no plan of that attentio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import replace
@@ -55,6 +56,7 @@ from trl_dta.walk.budgets import FIXED, token_budgets  # noqa: E402
 from trl_dta.walk.costs import TILE, CallCost, needed_pairs  # noqa: E402
 from trl_dta.walk.flops import flops as count_flops  # noqa: E402
 from trl_dta.walk.flops import per_token_costs  # noqa: E402
+from trl_dta.walk.model import CausalLM  # noqa: E402
 from trl_dta.walk.plan import Push  # noqa: E402
 from trl_dta.walk.scoring import scored_from  # noqa: E402
 
@@ -90,6 +92,19 @@ def small(layers: int) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(cfg).train()
 
 
+@contextlib.contextmanager
+def rows_as_on_a_gpu():
+    """Each packed row's attention as one sdpa call, as a GPU walk makes it. On a CPU the walk splits a row
+    per segment (``CausalLM.per_segment``, :mod:`trl_dta.walk.segment_attention`), which launches kernels
+    (a key gather and an sdpa call per segment and layer) that the GPU walk counted here does not."""
+    original = CausalLM.per_segment
+    CausalLM.per_segment = property(lambda self: False)
+    try:
+        yield
+    finally:
+        CausalLM.per_segment = original
+
+
 def walk_ops(layers: int, seqs, froms, budgets, call_cost) -> tuple[int, dict, list]:
     """Kernels of one walk with ``budgets`` and ``call_cost`` (the plan of the full-size model), its calls
     and its plan."""
@@ -97,10 +112,11 @@ def walk_ops(layers: int, seqs, froms, budgets, call_cost) -> tuple[int, dict, l
     executor = TreeExecutor(model, **vars(budgets))
     executor.call_cost = call_cost
     trie = PrefixTrie.from_sequences(seqs)
-    executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)  # warm: probe, checks
-    before = (executor.calls.forward, executor.calls.backward, executor.calls.tokens)
-    with OpCounter() as counter:
-        executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)
+    with rows_as_on_a_gpu():
+        executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)  # warm: probe, checks
+        before = (executor.calls.forward, executor.calls.backward, executor.calls.tokens)
+        with OpCounter() as counter:
+            executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)
     calls = {"forward": executor.calls.forward - before[0], "backward": executor.calls.backward - before[1],
              "tokens": executor.calls.tokens - before[2]}  # fmt: skip
     return counter.ops, calls, executor.plan(trie)
