@@ -29,7 +29,12 @@ shipped; tests/test_cost_model.py holds the fit to 5% on a simulated clock of th
 paper against dense on that device (both sides' launches at ``f x launch_us``). Beside them, a bound on any
 plan: the better of the fewest calls the budgets allow (every merge made) and one call more that computes
 no pair the tree does not need (each call launching as many kernels as those do). Where the calibrated plan
-falls short of 0.9 of the FLOP ideal and the bound too, no plan of that attention kernel reaches it.
+falls short of 0.9 of the FLOP ideal and the bound too, no plan of that attention kernel reaches it. With
+sdpa, a what-if beside them: the walk planned with its packed rows split per segment where that pays (as the
+executor walks on a CPU, not on a GPU), its kernels counted with the split and its pairs those it computes.
+
+The counting walks run on this CPU, where the executor splits packed rows per segment; they keep each row
+under one sdpa call (``rows_as_on_a_gpu``), as a GPU walk does, except in the what-if.
 
     python benchmarks/launch_model.py [--shapes tau2-2x8-10k] [--scales 1,0.125] [--launch_us 5]
                                       [--tflops 989] [--mfu 0.4] [--launch_factors 0.5,1,2,4] [--out OUT_DIR]
@@ -53,7 +58,7 @@ from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
 from trl_dta.walk.budgets import FIXED, token_budgets  # noqa: E402
-from trl_dta.walk.costs import TILE, CallCost, needed_pairs  # noqa: E402
+from trl_dta.walk.costs import TILE, CallCost, needed_pairs, per_segment_pays  # noqa: E402
 from trl_dta.walk.flops import flops as count_flops  # noqa: E402
 from trl_dta.walk.flops import per_token_costs  # noqa: E402
 from trl_dta.walk.model import CausalLM  # noqa: E402
@@ -105,14 +110,15 @@ def rows_as_on_a_gpu():
         CausalLM.per_segment = original
 
 
-def walk_ops(layers: int, seqs, froms, budgets, call_cost) -> tuple[int, dict, list]:
+def walk_ops(layers: int, seqs, froms, budgets, call_cost, split: bool = False) -> tuple[int, dict, list]:
     """Kernels of one walk with ``budgets`` and ``call_cost`` (the plan of the full-size model), its calls
-    and its plan."""
+    and its plan. ``split``: packed rows attend per segment where that pays, as on this CPU (a what-if on a
+    GPU, where the walk does not)."""
     model = small(layers)
     executor = TreeExecutor(model, **vars(budgets))
     executor.call_cost = call_cost
     trie = PrefixTrie.from_sequences(seqs)
-    with rows_as_on_a_gpu():
+    with contextlib.nullcontext() if split else rows_as_on_a_gpu():
         executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)  # warm: probe, checks
         before = (executor.calls.forward, executor.calls.backward, executor.calls.tokens)
         with OpCounter() as counter:
@@ -122,8 +128,10 @@ def walk_ops(layers: int, seqs, froms, budgets, call_cost) -> tuple[int, dict, l
     return counter.ops, calls, executor.plan(trie)
 
 
-def plan_flops(lm, trie, froms, plan, block_sparse: bool) -> dict:
-    """Forward + backward FLOPs of a walk's plan (module docstring), and the tokens it recomputes."""
+def plan_flops(lm, trie, froms, plan, block_sparse: bool, split: bool = False) -> dict:
+    """Forward + backward FLOPs of a walk's plan (module docstring), and the tokens it recomputes.
+    ``split``: a packed row split per segment where that pays (``walk_ops``) computes, per segment, its
+    queries against the keys it sees (the past, its ancestors, its own square)."""
     body, attention, head = per_token_costs(lm)
     _, node_from = scored_from(trie, froms)
     total, recomputed = 0.0, 0
@@ -139,6 +147,8 @@ def plan_flops(lm, trie, froms, plan, block_sparse: bool) -> dict:
         # sdpa takes a mask on a cached past (its kernel computes the whole rectangle); flex the BlockMask's
         # tiles, about the pairs needed plus a tile per row
         pairs = needed_pairs(segments) + tokens * TILE if block_sparse else tokens * (past + tokens)
+        if split and len(segments) > 1 and per_segment_pays(past, tokens, needed_pairs(segments)):
+            pairs = sum(s.num_tokens * (s.start + s.num_tokens) for s in segments)
         pairs = min(pairs, tokens * (past + tokens))
         cost = body * tokens + attention * pairs
         total += 3 * cost + (cost if recompute else 0)
@@ -251,9 +261,9 @@ def calibration(args, step, budgets, shipped: CallCost, sparse: bool, kernels: i
     lm, trie, seqs, froms = step
     L, rate = QWEN3_1_7B["num_hidden_layers"], args.tflops * 1e12 * args.mfu
 
-    def measured(call_cost: CallCost) -> tuple[int, dict, float]:
-        (k1, calls, plan), (k2, _, _) = (walk_ops(n, seqs, froms, budgets, call_cost) for n in (1, 2))
-        return k1 + (k2 - k1) * (L - 1), calls, plan_flops(lm, trie, froms, plan, sparse)["flops"]
+    def measured(call_cost: CallCost, split: bool = False) -> tuple[int, dict, float]:
+        (k1, calls, plan), (k2, _, _) = (walk_ops(n, seqs, froms, budgets, call_cost, split) for n in (1, 2))
+        return k1 + (k2 - k1) * (L - 1), calls, plan_flops(lm, trie, froms, plan, sparse, split)["flops"]
 
     # the bound: the fewest calls the budgets allow (every merge priced as free), and one call more at the
     # FLOP ideal's compute (no pair the tree does not need), each call launching as many kernels as these do
@@ -265,6 +275,10 @@ def calibration(args, step, budgets, shipped: CallCost, sparse: bool, kernels: i
         dense_s = max(dense["kernels"] * launch_us * 1e-6, dense["compute_s"])
         n, calls, flops = measured(replace(shipped, fixed=f * shipped.fixed))
         sides = {"uncalibrated": (kernels, planned["flops"]), "calibrated": (n, flops)}
+        if not sparse:  # what-if: sdpa split per segment on the GPU too, planned knowing it (not walked so)
+            knowing = replace(shipped, fixed=f * shipped.fixed, per_segment=True)
+            split_n, split_calls, split_flops = measured(knowing, split=True)
+            sides["split_what_if"] = (split_n, split_flops)
         row = {"launch_factor": f, "calibrated_calls": calls}
         for side, (n, flops) in sides.items():
             walk_s = max(n * launch_us * 1e-6, flops / rate)
@@ -277,9 +291,11 @@ def calibration(args, step, budgets, shipped: CallCost, sparse: bool, kernels: i
                         "walk_s": bound_s, "of_flop_ideal": dense_s / bound_s / flop_ratio}  # fmt: skip
         rows.append(row)
         uncalibrated, calibrated = row["uncalibrated"]["of_flop_ideal"], row["calibrated"]["of_flop_ideal"]
+        split = (f", split per segment (what-if) {row['split_what_if']['of_flop_ideal']:.2f} "
+                 f"({split_calls['forward']} forwards)") if not sparse else ""  # fmt: skip
         print(f"  true launch {f:g}x: uncalibrated plan {uncalibrated:.2f} of the FLOP ideal, calibrated "
-              f"{calibrated:.2f} ({calls['forward']} forwards), bound {row['bound']['of_flop_ideal']:.2f}",
-              flush=True)  # fmt: skip
+              f"{calibrated:.2f} ({calls['forward']} forwards), bound {row['bound']['of_flop_ideal']:.2f}"
+              f"{split}", flush=True)  # fmt: skip
     return rows
 
 
