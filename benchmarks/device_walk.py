@@ -8,6 +8,10 @@ gradients against sdpa's (the same plan's two kernels must agree to bf16 roundin
 synchronisations of a no-grad and a gradient walk, counted by ``torch.cuda.set_sync_debug_mode("warn")``:
 none expected in the first, one in the second (``backward`` returns the summed loss as a float).
 
+On CUDA a third walk, sdpa with its packed rows split per segment (``launch_model.py``'s what-if: the
+executor splits them on a CPU only), planned and probed that way, measures what that split costs and saves
+on the device (the host's Python per sdpa call included); its gradients are checked against sdpa's too.
+
 First, on CUDA, the flex path's exactness: fp32 gradients of random tries against the model's own dense
 ones (<= 1e-5, or the script fails; ``--parity_only`` stops there).
 
@@ -30,6 +34,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
+from launch_model import per_segment_attention  # noqa: E402
 from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
@@ -165,29 +170,37 @@ def main() -> None:
             seqs.append(prompt + c)
             froms.append(len(prompt) - 1)
     trie = PrefixTrie.from_sequences(seqs)
-    attns = ["sdpa"] + (["flex_attention"] if device.type == "cuda" else [])
+    # (label, attention, packed rows split per segment): the split on a GPU is launch_model.py's what-if,
+    # measured (the executor splits on a CPU only); on a CPU the sdpa walk splits already
+    sides = [("sdpa", "sdpa", device.type == "cpu")]
+    if device.type == "cuda":
+        sides += [("sdpa_split_what_if", "sdpa", True), ("flex_attention", "flex_attention", False)]
     report = {"shape": workload.name, "scale": args.scale, "layers": args.layers, "rows": len(seqs),
               "tokens": trie.num_tokens, "unique_tokens": trie.num_unique_tokens,
               "dedup_ratio": trie.dedup_ratio, "kernels": {}}  # fmt: skip
     grads = {}
-    for attn in attns:
-        model = build(args, attn, device)
-        executor = TreeExecutor(model)  # memory_budget="auto"
-        walk_times = []
-        for _ in range(args.repeats + 1):  # the first: compilation (flex), allocator warm-up
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                walk_peak.reset_peak_memory_stats()
-            before = (executor.calls.forward, executor.calls.backward)
-            sync(device)
-            start = time.perf_counter()
-            executor.backward(trie, loss_fn, score_from=froms, entropy_grad=False)
-            sync(device)
-            walk_times.append(time.perf_counter() - start)
+    for attn, kernel, split in sides:
+        model = build(args, kernel, device)
+        with per_segment_attention(split):  # (the probe, the plan and the walk: split or not)
+            executor = TreeExecutor(model)  # memory_budget="auto"
+            walk_times = []
+            for _ in range(args.repeats + 1):  # the first: compilation (flex), allocator warm-up
+                model.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    walk_peak.reset_peak_memory_stats()
+                before = (executor.calls.forward, executor.calls.backward)
+                sync(device)
+                start = time.perf_counter()
+                executor.backward(trie, loss_fn, score_from=froms, entropy_grad=False)
+                sync(device)
+                walk_times.append(time.perf_counter() - start)
+            plan = executor.plan(trie, entropy_grad=False)
         grads[attn] = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-        plan = executor.plan(trie, entropy_grad=False)
         recomputed = sum(s.segment.num_tokens for s in plan if isinstance(s, Push) and not s.keep_graph)
-        dense = [dense_time(model, seqs, froms, args.micro_batches, device) for _ in range(args.repeats)]
+        if attn == "sdpa_split_what_if":  # (the same model and rows as sdpa's: its dense time)
+            dense = [report["kernels"]["sdpa"]["dense_s"]]
+        else:
+            dense = [dense_time(model, seqs, froms, args.micro_batches, device) for _ in range(args.repeats)]
         row = {"budgets": executor.budgets.metrics(),
                "calls": {"forward": executor.calls.forward - before[0],
                          "backward": executor.calls.backward - before[1]},
@@ -201,16 +214,17 @@ def main() -> None:
               f"{row['first_walk_s']:.1f} s) dense {row['dense_s']:.3f} s -> {row['speedup']:.2f}x "
               f"(dedup {trie.dedup_ratio:.2f}), recompute {row['recompute_share']:.0%}, "
               f"peak {row['peak_gib']} GiB", flush=True)  # fmt: skip
-        if device.type == "cuda":  # host synchronisations inside a walk: none in logprobs, one in backward
+        if device.type == "cuda" and not split:  # host syncs in a walk: none in logprobs, one in backward
             row["syncs"] = count_syncs(executor, model, trie, froms)
             print(f"[{attn}] host syncs per walk (set_sync_debug_mode): {row['syncs']}", flush=True)
         del model, executor
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if "flex_attention" in grads:
-        err = max(relative_error(grads["flex_attention"][n], g) for n, g in grads["sdpa"].items())
-        report["flex_vs_sdpa_grad_error"] = err
-        print(f"flex vs sdpa gradients (bf16, same weights): max relative error {err:.2e}")
+    for other in ("flex_attention", "sdpa_split_what_if"):
+        if other in grads:
+            err = max(relative_error(grads[other][n], g) for n, g in grads["sdpa"].items())
+            report[f"{other}_vs_sdpa_grad_error"] = err
+            print(f"{other} vs sdpa gradients (bf16, same weights): max relative error {err:.2e}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "device_walk.json").write_text(json.dumps(report, indent=1, default=float))

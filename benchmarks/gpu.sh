@@ -25,8 +25,9 @@
 #      `cost_fit.py --device cuda`: the fitted constants, the plan before and after calibration, predicted
 #      against measured walk times, from the shipped constants and from their launch cost x4; ~2 min;
 #   5. the device-sized walk: `device_walk.py` (flex attention's fp32 exactness on random tries, failing the
-#      script above 1e-5; then a Qwen3-1.7B-shaped walk with memory_budget="auto", sdpa and flex side by side:
-#      budgets, calls, walk vs dense, CUDA peak, recompute, host syncs per walk); ~2 min;
+#      script above 1e-5; then a Qwen3-1.7B-shaped walk with memory_budget="auto", sdpa, sdpa split per
+#      segment (launch_model.py's what-if) and flex side by side: budgets, calls, walk vs dense, CUDA peak,
+#      recompute, host syncs per walk); ~2-3 min;
 #   6. benchmark: `peers.py --profile gpu` (Qwen3-0.6B then 1.7B shapes, random weights, bf16, sdpa and
 #      flash-attn if installed, 4k-16k contexts, torch.cuda.max_memory_allocated), tables in OUT_DIR; it stops
 #      starting configurations when its budget (BENCH_BUDGET, or what the deadline leaves) is spent;

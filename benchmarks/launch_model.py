@@ -34,7 +34,7 @@ sdpa, a what-if beside them: the walk planned with its packed rows split per seg
 executor walks on a CPU, not on a GPU), its kernels counted with the split and its pairs those it computes.
 
 The counting walks run on this CPU, where the executor splits packed rows per segment; they keep each row
-under one sdpa call (``rows_as_on_a_gpu``), as a GPU walk does, except in the what-if.
+under one sdpa call (``per_segment_attention(False)``), as a GPU walk does, except in the what-if.
 
     python benchmarks/launch_model.py [--shapes tau2-2x8-10k] [--scales 1,0.125] [--launch_us 5]
                                       [--tflops 989] [--mfu 0.4] [--launch_factors 0.5,1,2,4] [--out OUT_DIR]
@@ -98,12 +98,13 @@ def small(layers: int) -> Qwen3ForCausalLM:
 
 
 @contextlib.contextmanager
-def rows_as_on_a_gpu():
-    """Each packed row's attention as one sdpa call, as a GPU walk makes it. On a CPU the walk splits a row
-    per segment (``CausalLM.per_segment``, :mod:`trl_dta.walk.segment_attention`), which launches kernels
-    (a key gather and an sdpa call per segment and layer) that the GPU walk counted here does not."""
+def per_segment_attention(enabled: bool):
+    """Whether sdpa walks split their packed rows per segment (:mod:`trl_dta.walk.segment_attention`), on any
+    device, for the time of the block. The executor splits them on a CPU only (``CausalLM.per_segment``):
+    ``False`` counts here, on a CPU, the kernels of a GPU walk (a row under one sdpa call); ``True`` walks a
+    GPU as the CPU does (the what-if, and ``device_walk.py``'s measure of it)."""
     original = CausalLM.per_segment
-    CausalLM.per_segment = property(lambda self: False)
+    CausalLM.per_segment = property(lambda self: enabled and self._sdpa)
     try:
         yield
     finally:
@@ -118,7 +119,7 @@ def walk_ops(layers: int, seqs, froms, budgets, call_cost, split: bool = False) 
     executor = TreeExecutor(model, **vars(budgets))
     executor.call_cost = call_cost
     trie = PrefixTrie.from_sequences(seqs)
-    with contextlib.nullcontext() if split else rows_as_on_a_gpu():
+    with per_segment_attention(split):
         executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)  # warm: probe, checks
         before = (executor.calls.forward, executor.calls.backward, executor.calls.tokens)
         with OpCounter() as counter:
