@@ -199,10 +199,11 @@ step "cost model fitted online on this GPU" 60 240 "$PY" benchmarks/cost_fit.py 
     2>&1 | tee -a "$OUT_DIR/cost_fit.log" | grep -v -i warn | tail -n 32 || echo "cost fit: failed (not fatal)"
 
 # ---- 5. the device-sized walk (issue 27): flex's fp32 exactness on random tries (fails the script), then the
-# Qwen3-1.7B-shaped walk with memory_budget="auto" on tau2-2x8-10k x 1/8, sdpa and flex side by side: budgets,
-# calls, walk vs dense time, CUDA peak, recompute, flex vs sdpa gradients, host syncs per walk; ~2 min
+# Qwen3-1.7B-shaped walk with memory_budget="auto" on tau2-2x8-10k x 1/8, sdpa, sdpa split per segment (the
+# what-if) and flex side by side: budgets, calls, walk vs dense time, CUDA peak, recompute, gradients against
+# sdpa's, host syncs per walk; ~2-3 min
 walk_rc=0
-step "device-sized walk, cuda (flex parity, then sdpa vs flex)" 90 240 "$PY" benchmarks/device_walk.py \
+step "device-sized walk, cuda (flex parity, then sdpa, sdpa split, flex)" 90 240 "$PY" benchmarks/device_walk.py \
     --device cuda --scale 0.125 --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/device_walk.log" | grep -v -i warn \
     | tail -n 8 || walk_rc=$?
 
