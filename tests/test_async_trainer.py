@@ -263,7 +263,11 @@ def test_train_steps_equal_dense_sgd(model_dir, tmp_path):
         trainer_class=CheckedTrainer, **shape,
     )  # fmt: skip
     before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    prepared = []  # (each micro-batch is moved to the device by the Trainer, and once more for the walk)
+    prepare = trainer._prepare_inputs
+    trainer._prepare_inputs = lambda batch: prepared.append(1) or prepare(batch)
     trainer.train()
+    assert len(prepared) == steps * (2 * accumulation - 1)  # (not again for the dense-path decision)
 
     used = steps * accumulation * per_batch
     for step in range(steps):

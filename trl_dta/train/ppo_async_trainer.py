@@ -51,7 +51,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset, 
 
 from .dense_fallback import StepClockCallback
 from .ppo_async_config import AsyncTreePPOConfig, check_async_arguments
-from .ppo_async_data import SampleBatcher, SampleCollator, VersionedQueue
+from .ppo_async_data import SampleBatcher, SampleCollator, VersionedQueue, same_batch
 from .ppo_async_loss import (
     ClippedSurrogate,
     Decoupled,
@@ -135,6 +135,7 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         self._tree_position = 0  # micro-batches of the current step served so far
         self._tree_dense = False  # the current step takes the dense path (tree_dense_fallback)
         self._tree_pending: dict[int, MicroBatchWalk] = {}
+        self._tree_group: list[dict] | None = None  # the step's micro-batches, prepared (_step_group)
 
     def _use_walk_attention(self) -> None:
         """Undo TRL's model set-up for its packing: the FA3 tree attention and the fused-LM-head forward."""
@@ -174,7 +175,15 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._step_batches, self._tree_position, self._tree_pending = batches, 0, {}
+        self._tree_group = None
         return batches, num_items
+
+    def _step_group(self, inputs: dict) -> list[dict]:
+        """The step's micro-batches on the device, ``inputs`` (its first, prepared) first: prepared once a
+        step, for the dense-path decision and the walk."""
+        if self._tree_group is None:
+            self._tree_group = [inputs, *(self._prepare_inputs(b) for b in self._step_batches[1:])]
+        return self._tree_group
 
     # ------------------------------------------------------------------ the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -214,10 +223,10 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         k, batches = self._tree_position, self._step_batches
         if self._critic is not None or getattr(self.args, "check_staleness_at_training", False):
             return False
-        if k >= len(batches) or not _same_batch(batches[k], inputs):
+        if k >= len(batches) or not same_batch(batches[k], inputs):
             return False
         if k == 0:
-            group = [inputs, *(self._prepare_inputs(b) for b in batches[1:])]
+            group = self._step_group(inputs)
             samples = [s for b, x in enumerate(group) for s in micro_batch_samples(x, b)]
             seqs = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
             shapes = [tuple(b["input_ids"].shape) for b in group]  # (padded_logps: all rows, padded)
@@ -254,10 +263,9 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         gradient, less sharing."""
         k, batches = self._tree_position, self._step_batches
         self._tree_position += 1
-        if k < len(batches) and _same_batch(batches[k], inputs):
+        if k < len(batches) and same_batch(batches[k], inputs):
             if k == 0:
-                group = [inputs, *(self._prepare_inputs(b) for b in batches[1:])]
-                self._tree_pending = dict(enumerate(self._walk(model, group, True)))
+                self._tree_pending = dict(enumerate(self._walk(model, self._step_group(inputs), True)))
             if k in self._tree_pending:
                 return self._tree_pending.pop(k)
         return self._walk(model, [inputs], True)[0]
@@ -387,13 +395,3 @@ def _peak_flops_off_cuda():
         yield
     finally:
         async_grpo_trainer.get_peak_flops_per_device = original
-
-
-def _same_batch(a: dict, b: dict) -> bool:
-    """Whether two collated micro-batches (one possibly moved to the device) hold the same samples."""
-    x, y = a["input_ids"], b["input_ids"]
-    return (
-        x.shape == y.shape
-        and torch.equal(x.cpu(), y.cpu())
-        and torch.equal(a["lengths"].cpu(), b["lengths"].cpu())
-    )
