@@ -209,3 +209,31 @@ def test_a_model_not_yet_on_its_device_is_checked_without_forwards():
         model = tiny_model()
         model.config._attn_implementation = "my_attention"
         preflight(model, probe=False)
+
+
+def test_the_first_walk_takes_the_verdict_of_the_construction_probe(monkeypatch):
+    """A trainer probes its models when it is built; the executor built at its first step takes that verdict
+    instead of probing again, once, and probes again where the model changed in between (cast, another
+    attention backend)."""
+    import trl_dta.walk.model as walk_model
+    from trl_dta import TreeExecutor
+    from trl_dta.walk.preflight import preflight
+
+    probes = []
+    real = walk_model.run_probe
+    monkeypatch.setattr(
+        walk_model, "run_probe", lambda lm, try_packing: probes.append(1) or real(lm, try_packing)
+    )
+    model = tiny_model()
+    preflight(model)
+    assert len(probes) == 1
+    assert TreeExecutor(model).lm.can_pack and len(probes) == 1  # (the verdict taken: packing is exact)
+    assert TreeExecutor(model).lm.can_pack and len(probes) == 2  # (taken once)
+    preflight(model)
+    model.double()
+    TreeExecutor(model)
+    assert len(probes) == 4  # (cast since: probed again)
+    preflight(model)
+    model.set_attn_implementation("eager")
+    TreeExecutor(model)
+    assert len(probes) == 6  # (another attention backend: probed again)

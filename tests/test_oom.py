@@ -106,15 +106,14 @@ def test_an_oom_in_the_construction_probe_is_raised_never_refused(model, error):
         assert not isinstance(raised.value, UnsupportedModelError), f"call {at}: {raised.value}"
 
 
-def test_the_trainer_reports_an_oom_at_the_third_forward_after_construction_as_an_oom(tmp_path, model_dir):
-    """The issue's run: the 3rd forward of decoder layer 0 after the trainer's construction (the probe, at
-    the executor's construction) ended in ``UnsupportedModelError: ... fails on a plain input``."""
+def test_the_trainer_reports_an_oom_in_its_probe_as_an_oom(tmp_path):
+    """The issue's run: the 3rd forward of decoder layer 0 in the probe ended in ``UnsupportedModelError: ...
+    fails on a plain input``. The probe ran at the executor's construction, in the first step; it now runs
+    when the trainer is built (the executor takes its verdict)."""
     tree_cls = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
-    trainer = make_trainer(
-        tree_cls, make_config(tmp_path, config_cls=TreePPOConfig, max_steps=1), model=model_dir
-    )
-    with InjectOOM(trainer.model.model.layers[0], 3), pytest.raises(torch.OutOfMemoryError) as raised:
-        trainer.train()
+    model = tiny_model()
+    with InjectOOM(model.model.layers[0], 3), pytest.raises(torch.OutOfMemoryError) as raised:
+        make_trainer(tree_cls, make_config(tmp_path, config_cls=TreePPOConfig, max_steps=1), model=model)
     assert not isinstance(raised.value, UnsupportedModelError)
 
 

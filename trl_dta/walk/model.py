@@ -35,6 +35,7 @@ from .determinism import check_deterministic
 from .errors import UnsupportedModelError
 from .packing import causal_block_mask
 from .path_kv import PathKV
+from .probe import kept_verdict
 from .probe import probe as run_probe
 from .segment_attention import SegmentAttention
 from .sharding import gathered_for_check, is_fsdp1
@@ -173,7 +174,8 @@ class CausalLM:
             )
         masks = ("eager", "sdpa", "flex_attention")  # backends that take the walk's masks
         self._may_pack = impl in masks and self.attention_window is None and not self.has_states
-        self.can_pack = self.probe() if self._probed else False
+        kept = kept_verdict(self) if self._probed else None  # (the trainer's preflight probed it just now)
+        self.can_pack = (self.probe() if kept is None else kept) if self._probed else False
 
     def _binding(self) -> tuple:
         lm_head, _ = output_head(self.base)

@@ -22,7 +22,9 @@ setting bounds its length (a prompt, when nothing truncates prompts), a token id
 the tokenizer fits (a dataset tokenized with another tokenizer), a sequence shorter than two tokens. A model
 whose weights are not on this process (the meta device: FSDP's ``cpu_ram_efficient_loading`` loads them on
 rank 0 only), or that is not yet on the device it will run on (a trainer's DeepSpeed or FSDP preparation
-moves it there later), has its structure checked now and is probed at its first walk.
+moves it there later), has its structure checked now and is probed at its first walk. The probe's verdict
+is kept for the model's executor (:func:`~trl_dta.walk.probe.kept_verdict`), which takes it instead of probing
+again where the model still walks as probed.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch import nn
 
 from . import checks
 from .model import CausalLM
+from .probe import keep_verdict
 
 
 def preflight(
@@ -61,8 +64,8 @@ def preflight(
             (a trainer whose DeepSpeed or FSDP preparation moves it later): its structure is checked now, and
             the first walk probes it where it runs. A model on the meta device is never probed here.
     """
-    materialized = not any(p.is_meta for p in model.parameters())
-    lm = CausalLM(model, lm_head_fp32=lm_head_fp32, probe=probe and materialized)
+    probed = probe and not any(p.is_meta for p in model.parameters())
+    lm = CausalLM(model, lm_head_fp32=lm_head_fp32, probe=probed)
     if tokenizer_size is not None:
         checks.check_tokenizer_size(int(tokenizer_size), lm.vocab_size)
     if max_length is not None:
@@ -71,3 +74,5 @@ def preflight(
         checks.check_position_limit(lm.position_limit, max_length, what, option)
     if training:
         checks.check_no_randomness(model, training=True)
+    if probed:  # (the executor built at the first walk takes the verdict instead of probing again)
+        keep_verdict(lm)

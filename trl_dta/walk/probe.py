@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 
 import torch
 import transformers
@@ -48,6 +49,29 @@ PROBE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4, torch.float16: 2e-2
 STATE_DTYPE_FLOOR = torch.float32
 
 _SEQUENCE_LENGTH, _PREFIX, _SPLIT = 13, 6, 4  # the prefix is forwarded as [0, 4) then [4, 6)
+
+# A trainer probes its models when it is built (preflight), and each executor, built at the first step, would
+# probe again: a verdict kept by preflight is taken, once, by the next probe of the same model object.
+_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _walks_as(lm) -> tuple:
+    """What a verdict holds for besides the model's code: its LM head (object, shape) and attention backend
+    (the binding), device, dtype, the LM head's precision, whether packing was tried."""
+    return lm._bound, lm.device, lm.lm_head.weight.dtype, lm.lm_head_fp32, lm._may_pack
+
+
+def keep_verdict(lm) -> None:
+    """Keep the probe's verdict on ``lm`` (a probed :class:`~trl_dta.walk.model.CausalLM`: ``can_pack``) for
+    the next probe of its model."""
+    _VERDICTS[lm.model] = (_walks_as(lm), lm.can_pack)
+
+
+def kept_verdict(lm) -> bool | None:
+    """The verdict kept for ``lm``'s model (whether packing is exact), taken once; None if none was kept or
+    the model no longer walks as probed (an LM head or attention backend replaced, moved, cast)."""
+    kept = _VERDICTS.pop(lm.model, None)
+    return kept[1] if kept is not None and kept[0] == _walks_as(lm) else None
 
 
 @contextlib.contextmanager
