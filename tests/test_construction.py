@@ -214,7 +214,7 @@ def test_a_model_not_yet_on_its_device_is_checked_without_forwards():
 def test_the_first_walk_takes_the_verdict_of_the_construction_probe(monkeypatch):
     """A trainer probes its models when it is built; the executor built at its first step takes that verdict
     instead of probing again, once, and probes again where the model changed in between (cast, another
-    attention backend)."""
+    attention backend, modules added)."""
     import trl_dta.walk.model as walk_model
     from trl_dta import TreeExecutor
     from trl_dta.walk.preflight import preflight
@@ -237,3 +237,7 @@ def test_the_first_walk_takes_the_verdict_of_the_construction_probe(monkeypatch)
     model.set_attn_implementation("eager")
     TreeExecutor(model)
     assert len(probes) == 6  # (another attention backend: probed again)
+    preflight(model)
+    model.model.layers[0].mlp.added = torch.nn.Identity()  # (as an adapter injected in place would)
+    TreeExecutor(model)
+    assert len(probes) == 8  # (modules added: probed again)

@@ -57,8 +57,10 @@ _VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _walks_as(lm) -> tuple:
     """What a verdict holds for besides the model's code: its LM head (object, shape) and attention backend
-    (the binding), device, dtype, the LM head's precision, whether packing was tried."""
-    return lm._bound, lm.device, lm.lm_head.weight.dtype, lm.lm_head_fp32, lm._may_pack
+    (the binding), its modules' count, its parameters' devices and dtypes, the LM head's precision, whether
+    packing was tried."""
+    placed = frozenset((p.device, p.dtype) for p in lm.model.parameters())
+    return lm._bound, len(list(lm.model.modules())), placed, lm.lm_head_fp32, lm._may_pack
 
 
 def keep_verdict(lm) -> None:
@@ -69,7 +71,8 @@ def keep_verdict(lm) -> None:
 
 def kept_verdict(lm) -> bool | None:
     """The verdict kept for ``lm``'s model (whether packing is exact), taken once; None if none was kept or
-    the model no longer walks as probed (an LM head or attention backend replaced, moved, cast)."""
+    the model no longer walks as probed (an LM head or attention backend replaced, modules added, moved,
+    cast)."""
     kept = _VERDICTS.pop(lm.model, None)
     return kept[1] if kept is not None and kept[0] == _walks_as(lm) else None
 
