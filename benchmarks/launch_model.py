@@ -58,7 +58,7 @@ from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
 from trl_dta.walk.budgets import FIXED, token_budgets  # noqa: E402
-from trl_dta.walk.costs import TILE, CallCost, needed_pairs, per_segment_pays  # noqa: E402
+from trl_dta.walk.costs import CallCost, needed_pairs, per_segment_pays  # noqa: E402
 from trl_dta.walk.flops import flops as count_flops  # noqa: E402
 from trl_dta.walk.flops import per_token_costs  # noqa: E402
 from trl_dta.walk.model import CausalLM  # noqa: E402
@@ -146,11 +146,11 @@ def plan_flops(lm, trie, froms, plan, block_sparse: bool, split: bool = False) -
         tokens = sum(s.num_tokens for s in segments)
         past = segments[0].start
         # sdpa takes a mask on a cached past (its kernel computes the whole rectangle); flex the BlockMask's
-        # tiles, about the pairs needed plus a tile per row
-        pairs = needed_pairs(segments) + tokens * TILE if block_sparse else tokens * (past + tokens)
-        if split and len(segments) > 1 and per_segment_pays(past, tokens, needed_pairs(segments)):
-            pairs = sum(s.num_tokens * (s.start + s.num_tokens) for s in segments)
-        pairs = min(pairs, tokens * (past + tokens))
+        # tiles, about the pairs needed plus a tile per row: the plan's own count (CallCost.row_pairs)
+        needed = needed_pairs(segments)
+        pairs = CallCost(0.0, 0.0, 0.0, block_sparse=block_sparse).row_pairs(past, tokens, needed)
+        if split and len(segments) > 1 and per_segment_pays(past, tokens, needed):
+            pairs = sum(s.num_tokens * (s.start + s.num_tokens) for s in segments)  # (within the rectangle)
         cost = body * tokens + attention * pairs
         total += 3 * cost + (cost if recompute else 0)
         recomputed += tokens if recompute else 0
