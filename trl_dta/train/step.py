@@ -113,7 +113,7 @@ class StepWalker:
         self.step_clock = StepClock()  # (the trainer stops it at each optimizer step: StepClockCallback)
 
     def executor(self, model) -> TreeExecutor:
-        """The executor of ``model`` (the trainer's, wrapped or not; built, and probed, at the first call)."""
+        """The executor of ``model`` (wrapped or not; built at its first call, with check_models' verdict)."""
         self.flow.register(model)  # (DeepSpeed: the walk finds the engines)
         seen = self._by_model.get(id(model))  # (unwrap_model reads package metadata: ~1.5 ms a call)
         if seen is not None and seen[0] is model:

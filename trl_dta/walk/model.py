@@ -106,7 +106,8 @@ class CausalLM:
         model: a ``transformers`` causal LM or value model, or a PEFT model wrapping one (LoRA-style adapters;
             prompt learning methods are refused).
         lm_head_fp32: run the LM head (or value head) projection in float32 (TRL's ``cast_lm_head_to_fp32``).
-        probe: run the probe now (recommended; a few forwards of at most 13 tokens). Without it, sibling
+        probe: run the probe now, or take the verdict a :func:`~trl_dta.walk.preflight.preflight` of the same,
+            unchanged model kept (recommended; a few forwards of at most 13 tokens). Without it, sibling
             leaves are never packed, since only the probe shows that packing is exact for the model, and a
             model without weights (on the meta device) is accepted: only its structure is checked
             (:mod:`trl_dta.walk.preflight`).
