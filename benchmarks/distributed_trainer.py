@@ -29,6 +29,7 @@ from transformers.trainer_callback import PrinterCallback  # noqa: E402
 from trl_dta import TreePPOConfig  # noqa: E402
 from trl_dta.testing.cpu_distributed import MODES, process_state, trainer_settings  # noqa: E402
 from trl_dta.testing.grpo import make_config, make_trainer, tiny_model  # noqa: E402
+from trl_dta.testing.torchrun import exit_worker  # noqa: E402
 
 
 def main():
@@ -72,11 +73,7 @@ def main():
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"distributed_trainer_{args.mode}_{args.case}.json"), "w") as f:
             json.dump(result, f, indent=1)
-    import torch.distributed as dist
-
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # (DeepSpeed may abort at interpreter exit)
+    exit_worker()  # (trl_dta/testing/torchrun.py)
 
 
 if __name__ == "__main__":

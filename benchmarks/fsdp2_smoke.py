@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import sys
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.compare import relative_error
+from trl_dta.testing.torchrun import exit_worker
 from trl_dta.walk import peak as walk_peak
 
 COUNTS = {"all_gather": 0, "reduce_scatter": 0}
@@ -118,11 +118,10 @@ def main() -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         name = "fsdp2_smoke_per_layer.json" if args.per_layer else "fsdp2_smoke.json"
         (Path(args.out) / name).write_text(json.dumps(report, indent=1))
-    dist.destroy_process_group()
     counted = args.per_layer or (COUNTS["all_gather"] == units and COUNTS["reduce_scatter"] == units)
     ok = error <= 1e-4 and counted
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_worker(main())  # (its process group would outlive the interpreter: trl_dta/testing/torchrun.py)

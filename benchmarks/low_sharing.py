@@ -49,6 +49,8 @@ sys.path.insert(0, ROOT)
 from common import environment, load_average  # noqa: E402
 from transformers.trainer_callback import PrinterCallback, TrainerCallback  # noqa: E402
 
+from trl_dta.testing.torchrun import exit_worker  # noqa: E402
+
 WORLD = int(os.environ.get("WORLD_SIZE", 1))  # (under torchrun: --processes)
 MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)  # fmt: skip
@@ -252,3 +254,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_worker()  # (a rank's process group would outlive the interpreter: trl_dta/testing/torchrun.py)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trl_dta.testing.cpu_distributed import process_state, trainer_settings
+from trl_dta.testing.torchrun import exit_worker
 
 SETTINGS = dict(learning_rate=2.0, max_steps=2, num_iterations=2, gradient_accumulation_steps=2,
                 per_device_train_batch_size=2, max_grad_norm=1.0)  # fmt: skip
@@ -254,12 +255,7 @@ def main(out_dir, model_dir, mode, *variants):
         result = run(mode, variant, model_dir, out_dir)
         if rank == 0:
             torch.save(result, os.path.join(out_dir, f"{mode}-{variant}.pt"))
-    if mode != "stock":
-        dist.barrier()
-        sys.stdout.flush()
-        os._exit(
-            0
-        )  # (DeepSpeed may abort at interpreter exit: "terminate called without an active exception")
+    exit_worker()  # (trl_dta/testing/torchrun.py)
 
 
 if __name__ == "__main__":

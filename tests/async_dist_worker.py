@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 from trl_dta import AsyncTreePPOConfig, AsyncTreePPOTrainer, value_model_from
 from trl_dta.testing.async_grpo import NoWeightTransfer, QueueWorker, synthetic_rollouts
 from trl_dta.testing.grpo import make_dataset, tiny_tokenizer
-from trl_dta.testing.torchrun import run_workers
+from trl_dta.testing.torchrun import exit_worker, run_workers
 
 TEMPERATURE, EPSILON, EPSILON_HIGH = 0.9, 0.2, 0.28
 STEPS, PER_RANK, ACCUMULATION, LR, RANKS = 2, 3, 2, 0.05, 2
@@ -99,6 +99,7 @@ def main(out_dir: str, model_dir: str, mode: str = "coupled") -> None:
     trainer = make_trainer(out_dir, model_dir, mode, RANKS)
     trainer.train()
     torch.save(trained_state(trainer), f"{out_dir}/rank{trainer.accelerator.process_index}.pt")
+    exit_worker()  # (trl_dta/testing/torchrun.py)
 
 
 if __name__ == "__main__":

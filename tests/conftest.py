@@ -4,15 +4,20 @@ test-only patch that keeps HF's float32 casts (RMSNorm, eager softmax) in float6
 from __future__ import annotations
 
 import functools
+import os
 
-import pytest
-import torch
-from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
-from transformers.models.llama import modeling_llama
-from transformers.models.qwen3 import modeling_qwen3
+# No network in tests: TRL's trainers send usage telemetry to the Hub from rank 0 unless CI or this variable
+# is set. huggingface_hub reads it when imported, so it is set before any import below; workers inherit it.
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-from trl_dta.compare import relative_error
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
+
+from trl_dta.compare import relative_error  # noqa: E402
 
 VOCAB = 61
 # Tiny models: one thread is faster, and it keeps the tests' many small ops from stalling when another

@@ -13,7 +13,6 @@ memory in each step's second walk (every rank walks it again). Rank 0 writes the
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from sharded_worker import build, dense_reference, loss_for, tries  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor, lexicographic_partition  # noqa: E402
 from trl_dta.compare import relative_error  # noqa: E402
+from trl_dta.testing.torchrun import exit_worker  # noqa: E402
 from trl_dta.walk import deepspeed as zero  # noqa: E402
 
 # case -> (model, ZeRO stage, idle last rank, out of memory on rank 0 in each step's second walk)
@@ -147,9 +147,7 @@ def main():
     results = {case: run_case(case, rank, world) for case in sys.argv[2:]}
     if rank == 0:
         Path(sys.argv[1]).write_text(json.dumps({"world": world, "cases": results}, indent=1))
-    dist.barrier()
-    sys.stdout.flush()
-    os._exit(0)  # (DeepSpeed may abort at interpreter exit)
+    exit_worker()  # (trl_dta/testing/torchrun.py)
 
 
 if __name__ == "__main__":

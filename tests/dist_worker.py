@@ -18,6 +18,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_dta import TreePPOConfig, TreePPOTrainer
 from trl_dta.testing.grpo import GradRecorder, ScriptedGenerationMixin, make_config, make_trainer
+from trl_dta.testing.torchrun import exit_worker
 
 BATCH = dict(
     per_device_train_batch_size=8, num_generations=4, learning_rate=2.0, num_iterations=2, max_steps=2
@@ -99,6 +100,7 @@ def main(out_dir, model_dir, loss_type, trainer="tree"):
     t.train()
     saved = {"grads": recorder.grads, "rows": rows, "value_grads": value_grads, "decisions": decisions}
     torch.save(saved, os.path.join(out_dir, f"{trainer}{rank}.pt"))
+    exit_worker()  # (trl_dta/testing/torchrun.py)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from trl_dta.testing.grpo import (
     make_config,
     make_trainer,
 )
+from trl_dta.testing.torchrun import exit_worker
 
 SETTINGS = dict(learning_rate=2.0, max_steps=2, num_iterations=2, gradient_accumulation_steps=2,
                 per_device_train_batch_size=2)  # fmt: skip
@@ -80,7 +81,7 @@ def main(out_file, model_dir, variant):
     sharded = [sum(type(p).__name__ == "DTensor" for p in m.parameters()) for m in models]
     torch.save({"stock": stock, "tree": tree, "sharded_parameters": sharded,
                 "distributed_type": str(trainer.accelerator.distributed_type)}, out_file)  # fmt: skip
-    dist.destroy_process_group()
+    exit_worker()  # (trl_dta/testing/torchrun.py)
 
 
 if __name__ == "__main__":

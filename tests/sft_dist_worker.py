@@ -16,13 +16,13 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 from trl import SFTConfig, SFTTrainer
 
 from trl_dta import TreeSFTConfig, TreeSFTTrainer
 from trl_dta.testing.cpu_distributed import process_state, trainer_settings
 from trl_dta.testing.grpo import GradRecorder, tiny_tokenizer
 from trl_dta.testing.sft import make_sft_config, tool_conversations
+from trl_dta.testing.torchrun import exit_worker
 
 
 def full_parameters(model) -> dict[str, torch.Tensor]:
@@ -75,12 +75,7 @@ def main(out_dir, model_dir, trainer="tree", mode="ddp"):
         "parameters": sum(1 for _ in module.parameters()),
     }
     torch.save(result, os.path.join(out_dir, f"{name}{rank}.pt"))
-    if mode != "ddp" and world > 1:
-        dist.barrier()
-        sys.stdout.flush()
-        os._exit(
-            0
-        )  # (DeepSpeed may abort at interpreter exit: "terminate called without an active exception")
+    exit_worker()  # (trl_dta/testing/torchrun.py)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from trl import SFTConfig, SFTTrainer
 from trl_dta import TreeSFTConfig, TreeSFTTrainer
 from trl_dta.testing.grpo import GradRecorder, tiny_tokenizer
 from trl_dta.testing.sft import make_sft_config, tool_conversations
+from trl_dta.testing.torchrun import exit_worker
 
 
 def load(model_dir, variant):
@@ -63,7 +64,7 @@ def main(out_file, model_dir, variant):
     tree, trainer = run(TreeSFTTrainer, TreeSFTConfig, shard(load(model_dir, variant)), out_file + ".tree")
     sharded = sum(type(p).__name__ == "DTensor" for p in trainer.model.parameters())
     torch.save({"stock": stock, "tree": tree, "sharded_parameters": sharded}, out_file)
-    dist.destroy_process_group()
+    exit_worker()  # (trl_dta/testing/torchrun.py)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from conftest import VOCAB, make_model  # noqa: E402
 from trl_dta import PrefixTrie, TreeExecutor, lexicographic_partition  # noqa: E402
 from trl_dta.compare import relative_error  # noqa: E402
 from trl_dta.testing.oom import InjectOOM  # noqa: E402
+from trl_dta.testing.torchrun import exit_worker  # noqa: E402
 
 # case -> (model, executor options)
 CASES = {
@@ -261,7 +262,7 @@ def main():
     results = {case: run_case(case, rank, world) for case in sys.argv[2:]}
     if rank == 0:
         Path(sys.argv[1]).write_text(json.dumps({"world": world, "cases": results}, indent=1))
-    dist.destroy_process_group()
+    exit_worker()  # (trl_dta/testing/torchrun.py)
 
 
 if __name__ == "__main__":

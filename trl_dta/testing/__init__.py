@@ -7,7 +7,7 @@ accelerate):
 * ``architectures.py``: a tiny random model of every causal-LM architecture of transformers;
 * ``exactness.py``: the walk's log-probs and gradients against such a model's own dense forward/backward;
 * ``cpu_distributed.py``: a test device that makes accelerate prepare DeepSpeed and FSDP2 on CPU processes;
-* ``torchrun.py``: launching a test's multi-process workers, run again once after a rank's C++ abort.
+* ``torchrun.py``: launching a test's multi-process workers, and ending them without an abort at exit.
 
 Nothing here is imported by the library itself, and nothing here downloads anything.
 

@@ -1,28 +1,45 @@
-"""Launch a multi-process test run (``torchrun``, gloo on CPU) and retry it once if a rank aborted in C++.
+"""Launch a multi-process test run (``torchrun``, gloo on CPU), and end its workers so that none aborts.
 
-On this project's 2-core CI machines a gloo rank of a torchrun'd test worker sometimes dies with
-``terminate called without an active exception`` (SIGABRT): seen 2026-12-02 in three CI runs, one test each
-(``test_sharded``, ``test_distributed``: different tests each time), and in 1 of 4 local runs of
-``tests/test_cost_model.py`` then ``tests/test_distributed.py``, never when the same test runs alone. The
-root cause is not found yet. A run that aborted that way computed nothing to compare, so it is run again,
-once, and says so; any other failure, and every result a test checks, is as strict as before.
+A worker ends with :func:`exit_worker` once its results are saved. A gloo process whose process group is still
+alive when the interpreter shuts down can die there with ``terminate called without an active exception``
+(SIGABRT): the group, freed during finalization, releases finished work whose tensors need the interpreter
+(pytorch/pytorch#190489). ``destroy_process_group()`` is not enough where anything still holds the group (a
+DDP module, a device mesh, a trainer): the group is freed with it, at finalization. Measured 2026-12-03 with
+torch 2.13 on the 2-core machine, a two-rank script of 20 all-reduces and an all-gather, 20 runs each unless
+said: no destroy, 7 and 8 aborted; destroy, 0 of 30; destroy while a reference to the group is kept, 9;
+that reference deleted after the destroy, 0; a final barrier only, 3. These aborts failed CI in four runs
+(``test_sharded``, ``test_distributed``), once on a worker that destroyed its group.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+import torch.distributed as dist
 
 ABORT = "terminate called without an active exception"
 
 
 def run_workers(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
-    """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)``, run a second time when the first
-    run failed with a rank's C++ abort (module docstring). Workers get ``OPENBLAS_NUM_THREADS=1`` unless set
-    (a solver's BLAS threads beside torch's, on two cores)."""
-    env = {"OPENBLAS_NUM_THREADS": "1", **kwargs.pop("env", {})}
+    """``subprocess.run(cmd, capture_output=True, text=True, **kwargs)``. Workers get
+    ``OPENBLAS_NUM_THREADS=1`` (a solver's BLAS threads beside torch's, on two cores) and
+    ``PYTHONFAULTHANDLER=1`` (a rank that dies of a signal prints its Python stacks) unless set."""
+    env = {"OPENBLAS_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **kwargs.pop("env", {})}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, **kwargs)
     if result.returncode != 0 and ABORT in result.stderr:
-        print(f"run_workers: a rank aborted ({ABORT!r}); running the workers again once", file=sys.stderr)
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True, **kwargs)
+        print(f"run_workers: a rank aborted ({ABORT!r}): does the worker end with exit_worker()? "
+              "(trl_dta/testing/torchrun.py)", file=sys.stderr)  # fmt: skip
     return result
+
+
+def exit_worker(status: int = 0) -> None:
+    """End a worker whose results are saved: wait for the other ranks (their last collectives need this one),
+    then exit with ``status`` without the interpreter's shutdown, where a live process group can abort (module
+    docstring). Also ends DeepSpeed's workers, which may abort there too."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
