@@ -411,8 +411,8 @@ def main(script_args: ScriptArguments, training_args: TreePPOConfig, model_args:
         if script_args.greedy_eval:
             path = " -> ".join(f"{k} {v:.0%}" for k, v in summary["heldout_success"].items())
             logger.info("held-out success (greedy, τ²'s check, %d tasks): %s", len(heldout), path)
-    if hasattr(trainer, "end"):  # transformers >= 5.18: finish trackers, destroy the process group
-        trainer.end()
+    # finish the trackers, destroy the process group (what Trainer.end does, transformers >= 5.18 only)
+    trainer.accelerator.end_training()
     return summary
 
 

@@ -287,8 +287,8 @@ def main(script_args: ScriptArguments, training_args, model_args: ModelArguments
             }
         summary["wall_s"] = round(time.perf_counter() - started, 1)
         logger.info("done: %s", json.dumps(summary, default=str))
-    if hasattr(trainer, "end"):
-        trainer.end()
+    # finish the trackers, destroy the process group (what Trainer.end does, transformers >= 5.18 only)
+    trainer.accelerator.end_training()
     return summary
 
 
