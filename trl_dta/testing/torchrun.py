@@ -38,7 +38,7 @@ def exit_worker(status: int = 0) -> None:
     """End a worker whose results are saved: wait for the other ranks (their last collectives need this one),
     then exit with ``status`` without the interpreter's shutdown, where a live process group can abort (module
     docstring). Also ends DeepSpeed's workers, which may abort there too."""
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
