@@ -175,8 +175,8 @@ class CausalLM:
             )
         masks = ("eager", "sdpa", "flex_attention")  # backends that take the walk's masks
         self._may_pack = impl in masks and self.attention_window is None and not self.has_states
-        kept = kept_verdict(self) if self._probed else None  # (the trainer's preflight probed it just now)
-        self.can_pack = (self.probe() if kept is None else kept) if self._probed else False
+        kept = kept_verdict(self) if self._probed else False  # (preflight's verdict; unprobed: never packs)
+        self.can_pack = self.probe() if kept is None else kept
 
     def _binding(self) -> tuple:
         lm_head, _ = output_head(self.base)
