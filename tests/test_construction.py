@@ -221,13 +221,12 @@ def test_the_first_walk_takes_the_verdict_of_the_construction_probe(monkeypatch)
 
     probes = []
     real = walk_model.run_probe
-    monkeypatch.setattr(
-        walk_model, "run_probe", lambda lm, try_packing: probes.append(1) or real(lm, try_packing)
-    )
+    monkeypatch.setattr(walk_model, "run_probe", lambda lm, **tries: probes.append(1) or real(lm, **tries))
     model = tiny_model()
     preflight(model)
     assert len(probes) == 1
-    assert TreeExecutor(model).lm.can_pack and len(probes) == 1  # (the verdict taken: packing is exact)
+    lm = TreeExecutor(model).lm
+    assert lm.can_pack and lm.segment_attention and len(probes) == 1  # (the verdict taken)
     assert TreeExecutor(model).lm.can_pack and len(probes) == 2  # (taken once)
     preflight(model)
     model.double()

@@ -144,6 +144,7 @@ class RecordingCache(DynamicCache):
             else:
                 layers.append(DummyLayer())
         Cache.__init__(self, layers=layers)
+        self.kinds = kinds
         self.new: list[LayerCache] = [{} for _ in kinds]
         self.handed: dict[tuple[int, str], torch.Tensor] = {}  # state copies given out, not written back
         self.handed_versions: dict[tuple[int, str], int] = {}
@@ -210,3 +211,32 @@ class RecordingCache(DynamicCache):
                     "lost. Not supported with this kernel; uninstall it to use transformers' PyTorch path."
                 )
             self.new[layer_idx][key] = copy
+
+    def check_written(self, name: str, keyword: str) -> None:
+        """Refuse a forward (of model ``name``, its cache passed as ``keyword``) whose layers did not write
+        through this cache what the walk carries."""
+        if not any(self.new):
+            raise UnsupportedModelError(
+                f"{name} ignores the passed KV cache (keyword {keyword!r}); the tree walk "
+                "needs a model that attends to a given past."
+            )
+        carried = torch.is_grad_enabled() and any(t.requires_grad for s in self.incoming for t in s.values())
+        for i, (kind, new) in enumerate(zip(self.kinds, self.new, strict=True)):
+            # a recurrent state always depends on the one it started from: no graph means no backward
+            lost = [k for k, t in new.items() if k.startswith("recurrent") and not t.requires_grad]
+            if lost and carried:
+                raise UnsupportedModelError(
+                    f"{name}: layer {i} returned its {lost[0]} state without an autograd graph (a "
+                    "kernel without backward): gradients through the state would be lost; not supported "
+                    "with this kernel."
+                )
+            if kind in ("attention", "hybrid") and "k" not in new:
+                raise UnsupportedModelError(
+                    f"{name}: layer {i} wrote no K/V to the passed cache; models that share or skip K/V "
+                    "across layers are not supported."
+                )
+            if kind in ("state", "hybrid") and not set(new) - set(KV):
+                raise UnsupportedModelError(
+                    f"{name}: layer {i} keeps a recurrent or convolution state but wrote none through "
+                    "transformers' cache API (update_conv_state / update_recurrent_state); not supported."
+                )

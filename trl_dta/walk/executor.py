@@ -373,7 +373,7 @@ class TreeExecutor:
             walk = Walk(
                 trie, temperature, entropies, grad, on_sequence, path_kv, seq_from,
                 node_from, router, scoring, self.calls, lockstep, entropy_grad=entropy_grad,
-                inputs=WalkInputs(trie, plan, self.device, self.pack_leaves), peak=peak,
+                inputs=WalkInputs(trie, plan, self.device, self.pack_leaves, lm.segment_attention), peak=peak,
             )  # fmt: skip
             timing = None
             if grad and self.cost_model is not None:  # (the gradient walks are timed: docs/cost-model.md)

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from .costs import needed_pairs, per_segment_pays
 from .model import CausalLM, ForwardResult
 from .packing import packed_block_mask, packed_mask
 from .plan import PackedSubtree, SiblingLeaves
-from .segment_attention import segment_keys
 from .state import Walk
 
 
 def forward(lm: CausalLM, walk: Walk, ids: torch.Tensor, start: int, **packing) -> ForwardResult:
     """Forward ``ids`` [B, L] at cache position ``start`` on the walk's path (``packing``: the packed row's
-    positions, attention mask and segments)."""
+    positions and attention mask, or the call's layout where it attends per segment)."""
     states = walk.states(ids.shape[0])
     walk.calls.forward += 1
     walk.calls.tokens += ids.numel()
@@ -27,9 +25,13 @@ def forward(lm: CausalLM, walk: Walk, ids: torch.Tensor, start: int, **packing) 
     return out
 
 
-def forward_padded(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int):
-    """Rows as a right-padded batch (causal attention keeps padding invisible to real tokens)."""
+def forward_padded(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int, layout=None):
+    """Rows as a right-padded batch (causal attention keeps padding invisible to real tokens); ``layout``: a
+    lone row's, where it attends per segment."""
     lengths = [t.numel() for t in ids]
+    if len(ids) == 1 and layout is not None:
+        hidden, _, routers = forward(lm, walk, ids[0][None], start, layout=layout)
+        return [hidden[0]], [routers]
     width = max(lengths)
     if lm.has_states and walk.stack:  # never a one-token forward on a carried state: pad one more
         width = max(width, 2)
@@ -51,18 +53,22 @@ def forward_packed(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int
     assert isinstance(step, SiblingLeaves | PackedSubtree)
     lengths = [t.numel() for t in ids]
     row = walk.inputs.row(step)  # (built on the host with the walk's other index tensors)
-    segments = None
-    if lm.block_sparse:  # flex attention: only the tiles that hold a visible pair are computed
+    layout, mask = walk.inputs.layout(step), None
+    if layout is not None:  # attention per segment: no mask (segment_attention.py)
+        pass
+    elif lm.block_sparse:  # flex attention: only the tiles that hold a visible pair are computed
         mask = packed_block_mask(row, start)
     else:
         mask = packed_mask(row, start, lm.lm_head.weight.dtype)
-    if lm.per_segment and per_segment_pays(start, sum(lengths), needed_pairs(step.segments)):  # sdpa, CPU
-        parents = step.parents if isinstance(step, PackedSubtree) else (-1,) * len(ids)
-        segments = segment_keys(lengths, parents, start)
     hidden, _, routers = forward(
-        lm, walk, torch.cat(ids)[None], start, positions=row.positions[None], attention_mask=mask,
-        segments=segments,
-    )  # fmt: skip
+        lm,
+        walk,
+        torch.cat(ids)[None],
+        start,
+        positions=row.positions[None],
+        attention_mask=mask,
+        layout=layout,
+    )
     per_row = [None] * len(ids)
     if routers is not None:  # each [total, E]
         per_row = [list(rows) for rows in zip(*(r.split(lengths) for r in routers), strict=True)]

@@ -30,14 +30,14 @@ import torch
 from torch import nn
 
 from . import checks
-from .cache import KV, LayerCache, RecordingCache, cache_kinds
+from .cache import LayerCache, RecordingCache, cache_kinds
 from .determinism import check_deterministic
 from .errors import UnsupportedModelError
 from .packing import causal_block_mask
 from .path_kv import PathKV
 from .probe import kept_verdict
 from .probe import probe as run_probe
-from .segment_attention import SegmentAttention
+from .segment_attention import SegmentLayout, attending
 from .sharding import gathered_for_check, is_fsdp1
 
 logger = logging.getLogger(__name__)
@@ -175,8 +175,11 @@ class CausalLM:
             )
         masks = ("eager", "sdpa", "flex_attention")  # backends that take the walk's masks
         self._may_pack = impl in masks and self.attention_window is None and not self.has_states
-        kept = kept_verdict(self) if self._probed else False  # (preflight's verdict; unprobed: never packs)
-        self.can_pack = self.probe() if kept is None else kept
+        # sdpa models attend per segment (segment_attention.py) where the probe finds it exact
+        self._may_segment = self._sdpa and self.attention_window is None and not self.has_states
+        self.segment_attention = False  # (until the probe finds it exact)
+        kept = kept_verdict(self) if self._probed else (False, False)  # (unprobed: never packs)
+        self.can_pack, self.segment_attention = self.probe() if kept is None else kept
 
     def _binding(self) -> tuple:
         lm_head, _ = output_head(self.base)
@@ -190,8 +193,9 @@ class CausalLM:
 
     @property
     def per_segment(self) -> bool:
-        """Whether a packed row's attention runs per segment (sdpa on a CPU: :mod:`.segment_attention`)."""
-        return self._sdpa and self.device.type == "cpu"
+        """Whether calls attend per segment (:mod:`.segment_attention`): a packed row computes only the
+        query-key pairs the tree needs (on a CPU, where that pays)."""
+        return self.segment_attention
 
     @property
     def device(self) -> torch.device:
@@ -278,9 +282,10 @@ class CausalLM:
             for m in switched:
                 m.gradient_checkpointing = True
 
-    def probe(self) -> bool:
+    def probe(self) -> tuple[bool, bool]:
         """Compare the walk's operations with the model's own dense forward
-        (:func:`trl_dta.walk.probe.probe`); raise if they differ, return whether packing leaves is exact. It
+        (:func:`trl_dta.walk.probe.probe`); raise if they differ, return whether packing leaves is exact and
+        whether attention per segment is. It
         runs in eval mode (no dropout), in the weights' dtype with autocast off: under bf16 autocast two exact
         methods already differ by ~1e-2, which would hide a wrong cache. The walk itself runs under whatever
         autocast the caller set."""
@@ -291,9 +296,9 @@ class CausalLM:
                 torch.autocast(self.device.type, enabled=False),
                 gathered_for_check(self.model),
             ):
-                can_pack = run_probe(self, try_packing=self._may_pack)
+                verdict = run_probe(self, try_packing=self._may_pack, try_segments=self._may_segment)
                 self._deterministic_in.add(False)  # (the probe's first check)
-                return can_pack
+                return verdict
         finally:
             for m, mode in modes:
                 m.training = mode
@@ -308,15 +313,15 @@ class CausalLM:
         positions: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         router_logits: bool = False,
-        segments: list | None = None,
+        layout: SegmentLayout | None = None,
     ) -> ForwardResult:
         """Decode ``input_ids`` ([B, L], positions ``start..start+L-1`` unless ``positions`` are given) on top
         of the path's K/V at positions ``[0, start)`` of ``kv`` and the ``states`` its last segment left
         (each with B rows: :func:`~trl_dta.walk.cache.expand_states`), causally, or with a 4-D additive
         ``attention_mask`` [B, 1, L, start + L]. The new K/V are written into ``kv`` too (when B is 1).
-        ``router_logits``: also return every router layer's logits (MoE models). ``segments``: a packed
-        row's segments and their keys (:func:`~trl_dta.walk.segment_attention.segment_keys`), attended one
-        at a time where :attr:`per_segment`."""
+        ``router_logits``: also return every router layer's logits (MoE models). ``layout``: the call's
+        segments (one row), attended per segment where :attr:`segment_attention` (``attention_mask`` is then
+        not used: pass None)."""
         if router_logits and not self.is_moe:
             raise ValueError(f"{self.name} has no MoE router.")
         batch, length = input_ids.shape
@@ -334,8 +339,8 @@ class CausalLM:
         extra = {} if attention_mask is None else {"attention_mask": attention_mask}
         if self.is_moe:  # ask explicitly: the config's own flag must not decide what the walk computes
             extra["output_router_logits"] = router_logits
-        per_segment = segments is not None and self.per_segment and attention_mask is not None
-        with SegmentAttention(attention_mask, segments) if per_segment else contextlib.nullcontext():
+        per_segment = layout is not None and self.segment_attention
+        with attending(self.config, layout) if per_segment else contextlib.nullcontext():
             out = self.decoder(
                 input_ids=input_ids,
                 position_ids=positions,
@@ -343,42 +348,16 @@ class CausalLM:
                 **{self.cache_keyword: cache},
                 **extra,
             )
+        if per_segment:
+            layout.check_used(self.cache_kinds.count("attention"), self.name)
         cache.finish(self.name)
-        self._check_written(cache)
+        cache.check_written(self.name, self.cache_keyword)
         routers = None
         if router_logits:
             routers = list(getattr(out, "router_logits", None) or ())
             if not routers:
                 raise UnsupportedModelError(f"{self.name} returned no router logits.")
         return ForwardResult(out.last_hidden_state, cache.new, routers)
-
-    def _check_written(self, cache: RecordingCache) -> None:
-        """Refuse a forward whose layers did not write through the cache what the walk carries."""
-        if not any(cache.new):
-            raise UnsupportedModelError(
-                f"{self.name} ignores the passed KV cache (keyword {self.cache_keyword!r}); the tree walk "
-                "needs a model that attends to a given past."
-            )
-        carried = torch.is_grad_enabled() and any(t.requires_grad for s in cache.incoming for t in s.values())
-        for i, (kind, new) in enumerate(zip(self.cache_kinds, cache.new, strict=True)):
-            # a recurrent state always depends on the one it started from: no graph means no backward
-            lost = [k for k, t in new.items() if k.startswith("recurrent") and not t.requires_grad]
-            if lost and carried:
-                raise UnsupportedModelError(
-                    f"{self.name}: layer {i} returned its {lost[0]} state without an autograd graph (a "
-                    "kernel without backward): gradients through the state would be lost; not supported "
-                    "with this kernel."
-                )
-            if kind in ("attention", "hybrid") and "k" not in new:
-                raise UnsupportedModelError(
-                    f"{self.name}: layer {i} wrote no K/V to the passed cache; models that share or skip K/V "
-                    "across layers are not supported."
-                )
-            if kind in ("state", "hybrid") and not set(new) - set(KV):
-                raise UnsupportedModelError(
-                    f"{self.name}: layer {i} keeps a recurrent or convolution state but wrote none through "
-                    "transformers' cache API (update_conv_state / update_recurrent_state); not supported."
-                )
 
     def logits(self, hidden: torch.Tensor, temperature: float) -> torch.Tensor:
         """LM head logits of ``hidden`` in float32 (float64 for a float64 model), scaled, soft-capped, / T; a

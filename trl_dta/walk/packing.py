@@ -17,15 +17,20 @@ import torch
 from .inputs import PackedRow
 
 
-def packed_mask(row: PackedRow, start: int, dtype) -> torch.Tensor:
-    """Additive 4-D mask [1, 1, T, start + T] of a packed row on a shared past of ``start`` tokens: each token
-    sees the past, the earlier tokens of its own segment and every token of the segment's ancestors (which
-    come before it in the row)."""
+def packed_visible(row: PackedRow, start: int) -> torch.Tensor:
+    """Which keys each token of a packed row on a shared past of ``start`` tokens sees, [T, start + T] (bool):
+    the past, the earlier tokens of its own segment and every token of the segment's ancestors (which come
+    before it in the row)."""
     segment = row.segment
     index = torch.arange(segment.numel(), device=segment.device)
     visible = row.ancestor[segment][:, segment] & (index[None, :] <= index[:, None])
-    visible = torch.cat([visible.new_ones(segment.numel(), start), visible], dim=1)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=segment.device)
+    return torch.cat([visible.new_ones(segment.numel(), start), visible], dim=1)
+
+
+def packed_mask(row: PackedRow, start: int, dtype) -> torch.Tensor:
+    """The same as an additive 4-D mask [1, 1, T, start + T] in ``dtype``, for the model's own attention."""
+    visible = packed_visible(row, start)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return mask[None, None]
 

@@ -13,7 +13,11 @@ on a :class:`~trl_dta.walk.path_kv.PathKV`. What each comparison catches:
 * the second segment and the leaves: a cache the model ignores, a state it does not carry, anything that
   depends on how a sequence is cut into calls;
 * packed leaves (only where packing is possible): a model that applies its own window or an attention bias
-  built from key indices (ALiBi). Packing that differs is not refused: leaves are padded instead.
+  built from key indices (ALiBi). Packing that differs is not refused: leaves are padded instead;
+* attention per segment (sdpa models: :mod:`trl_dta.walk.segment_attention`): the same calls again (the
+  prefix's two segments, each leaf alone, the leaves packed, a packed subtree), through the walk's attention
+  function: a model with attention code of its own, or a variant the function does not apply. Where they
+  differ or fail, the model's own attention runs with a mask instead.
 
 Running out of memory anywhere in the probe is raised unchanged (:data:`~trl_dta.walk.errors.MEMORY_ERRORS`),
 never reported as a refusal of the model or as packing that differs.
@@ -39,7 +43,7 @@ from .errors import MEMORY_ERRORS, UnsupportedModelError
 from .inputs import PackedRow
 from .packing import packed_mask
 from .path_kv import PathKV
-from .segment_attention import segment_keys
+from .segment_attention import SegmentLayout
 
 logger = logging.getLogger(__name__)
 
@@ -60,19 +64,19 @@ def _walks_as(lm) -> tuple:
     (the binding), its modules' count, its parameters' devices and dtypes, the LM head's precision, whether
     packing was tried."""
     placed = frozenset((p.device, p.dtype) for p in lm.model.parameters())
-    return lm._bound, len(list(lm.model.modules())), placed, lm.lm_head_fp32, lm._may_pack
+    return lm._bound, len(list(lm.model.modules())), placed, lm.lm_head_fp32, lm._may_pack, lm._may_segment
 
 
 def keep_verdict(lm) -> None:
-    """Keep the probe's verdict on ``lm`` (a probed :class:`~trl_dta.walk.model.CausalLM`: ``can_pack``) for
-    the next probe of its model."""
-    _VERDICTS[lm.model] = (_walks_as(lm), lm.can_pack)
+    """Keep the probe's verdict on ``lm`` (a probed :class:`~trl_dta.walk.model.CausalLM`: ``can_pack``,
+    ``segment_attention``) for the next probe of its model."""
+    _VERDICTS[lm.model] = (_walks_as(lm), (lm.can_pack, lm.segment_attention))
 
 
-def kept_verdict(lm) -> bool | None:
-    """The verdict kept for ``lm``'s model (whether packing is exact), taken once; None if none was kept or
-    the model no longer walks as probed (an LM head or attention backend replaced, modules added, moved,
-    cast)."""
+def kept_verdict(lm) -> tuple[bool, bool] | None:
+    """The verdict kept for ``lm``'s model (whether packing is exact, whether attention per segment is), taken
+    once; None if none was kept or the model no longer walks as probed (an LM head or attention backend
+    replaced, modules added, moved, cast)."""
     kept = _VERDICTS.pop(lm.model, None)
     return kept[1] if kept is not None and kept[0] == _walks_as(lm) else None
 
@@ -148,10 +152,11 @@ class _Probe:
 
 
 @torch.no_grad()
-def probe(lm, try_packing: bool) -> bool:
+def probe(lm, try_packing: bool, try_segments: bool = False) -> tuple[bool, bool]:
     """Run the probe on ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`): raise
     :class:`UnsupportedModelError` naming the cause if an unpacked path differs from the dense forward;
-    return whether packing sibling leaves is exact (tried only if ``try_packing``)."""
+    return whether packing sibling leaves is exact (tried only if ``try_packing``) and whether attention per
+    segment is (only if ``try_segments``; packing is then exact too)."""
     p = _Probe(lm)
     try:
         dense_leaves = [p.dense(p.prefix + leaf) for leaf in p.leaves]
@@ -173,7 +178,9 @@ def probe(lm, try_packing: bool) -> bool:
             "is_decoder=False); not supported."
         )
     states = _check_segments(p, dense_prefix, dense_leaves)
-    return try_packing and _packing_is_exact(p, states, dense_leaves)
+    if try_segments and _segments_are_exact(p, dense_prefix, dense_leaves):
+        return True, True
+    return try_packing and _packing_is_exact(p, states, dense_leaves), False
 
 
 def _check_segments(p: _Probe, dense_prefix, dense_leaves):
@@ -230,15 +237,8 @@ def _packing_is_exact(p: _Probe, states, dense_leaves) -> bool:
         row = PackedRow.siblings(lengths, _PREFIX, p.device)
         mask = packed_mask(row, _PREFIX, p.lm.lm_head.weight.dtype)
         tokens = p.ids([t for leaf in p.leaves for t in leaf])
-        segments = segment_keys(lengths, (-1,) * len(lengths), _PREFIX) if p.lm.per_segment else None
         hidden, _, _ = p.lm.forward(
-            tokens,
-            _PREFIX,
-            p.kv,
-            states,
-            positions=row.positions[None],
-            attention_mask=mask,
-            segments=segments,
+            tokens, _PREFIX, p.kv, states, positions=row.positions[None], attention_mask=mask
         )
         got = p.lm.logits(hidden, 1.0)[0].to(torch.float64).split(lengths)  # (a value model's [L, 1])
         err = max(relative_error(g, ref[_PREFIX:]) for g, ref in zip(got, dense_leaves, strict=True))
@@ -256,3 +256,63 @@ def _packing_is_exact(p: _Probe, states, dense_leaves) -> bool:
         )
         return False
     return True
+
+
+def _segments_are_exact(p: _Probe, dense_prefix, dense_leaves) -> bool:
+    """The walk's calls through its attention per segment: the prefix's two segments, each leaf alone, the
+    leaves packed (attended per segment and as a row), a packed subtree (a chain under one of two roots)."""
+    lm, errs = p.lm, []
+    chain = p.prefix + p.leaves[0] + p.leaves[1]  # (the sequence up to token 11: leaf 1 follows leaf 0)
+    calls = [
+        ([p.prefix[:_SPLIT]], (-1,), 0, [dense_prefix[:_SPLIT]]),
+        ([p.prefix[_SPLIT:]], (-1,), _SPLIT, [dense_prefix[_SPLIT:]]),
+    ]
+    calls += [
+        ([leaf], (-1,), _PREFIX, [ref[_PREFIX:]]) for leaf, ref in zip(p.leaves, dense_leaves, strict=True)
+    ]
+    calls.append((p.leaves, (-1, -1, -1), _PREFIX, [ref[_PREFIX:] for ref in dense_leaves]))
+    sub = (p.leaves[0], p.leaves[1], p.leaves[2])
+    refs = [dense_leaves[0][_PREFIX:], p.dense(chain)[_PREFIX + 2 :], dense_leaves[2][_PREFIX:]]
+    calls.append((sub, (-1, 0, -1), _PREFIX, refs))
+    lm.segment_attention = True
+    try:
+        for segments, parents, start, refs in calls:
+            lengths = [len(x) for x in segments]
+            row = _row(lengths, parents, start, p.device) if len(segments) > 1 else None
+            for split in (True, False) if row is not None else (True,):
+                layout = SegmentLayout.build(lengths, parents, start, p.device, row=row)
+                layout.split = split
+                positions = None if row is None else row.positions[None]
+                tokens = p.ids([t for x in segments for t in x])
+                hidden, _, _ = lm.forward(tokens, start, p.kv, positions=positions, layout=layout)
+                got = p.logits(hidden).split(lengths)
+                errs += [relative_error(g, r) for g, r in zip(got, refs, strict=True)]
+    except MEMORY_ERRORS:
+        raise
+    except Exception as e:  # noqa: BLE001 - a model whose attention the function cannot take
+        logger.info("%s: attends with its own attention and a mask; per segment it fails: %r", p.name, e)
+        return False
+    finally:
+        lm.segment_attention = False
+    if not max(errs) <= p.tolerance:
+        err = max(errs)
+        logger.info(
+            "%s: attends with its own attention and a mask; per segment it differs by %.2e.", p.name, err
+        )
+        return False
+    return True
+
+
+def _row(lengths, parents, start, device) -> PackedRow:
+    """A packed row's index tensors, built here (the walk builds its rows in :mod:`.inputs`)."""
+    ancestor = torch.eye(len(lengths), dtype=torch.bool)
+    for k, parent in enumerate(parents):
+        if parent >= 0:
+            ancestor[k] |= ancestor[parent]
+    offsets = [start] * len(lengths)
+    for k, parent in enumerate(parents):  # (a child starts where its parent ends)
+        if parent >= 0:
+            offsets[k] = offsets[parent] + lengths[parent]
+    positions = torch.cat([torch.arange(o, o + n) for o, n in zip(offsets, lengths, strict=True)])
+    segment = torch.cat([torch.full((n,), k) for k, n in enumerate(lengths)])
+    return PackedRow(positions.to(device), segment.to(device), ancestor.to(device))

@@ -1,99 +1,367 @@
-"""Attention per segment inside a packed row, for sdpa on a CPU.
+"""Attention per segment: each segment of a model call attends only the keys it sees, one kernel per layer.
 
-A packed row's 4-D mask (:func:`~trl_dta.walk.packing.packed_mask`) makes sdpa compute every query-key pair
-of the row's rectangle, though each segment sees only the shared past, its ancestors in the row and itself.
-On a CPU that rectangle is the walk's cost where a step shares little: eight unrelated samples packed in one
-row of ~390 tokens took ~33 ms of attention a step where TRL's packing, which attends per segment, took ~12
-ms (docs/cost-model.md). While the walk forwards such a row, :class:`SegmentAttention` computes each sdpa
-call that takes the row's mask one segment at a time: the segment's queries against only the keys it may
-see, with the same mask's entries for them. The keys it leaves out are masked for every query of the
-segment, so the result is the same attention (up to the kernel's summation order). A row is split where
-that computes at most half its rectangle (:func:`~trl_dta.walk.costs.per_segment_pays`, which the cost model
-prices by too): each segment's keys other than its own are copied, which costs about what a few skipped pairs
-save.
+A call of the walk forwards one segment on its path (a push, a lone leaf) or several in one row (sibling
+leaves, a packed subtree: :mod:`trl_dta.walk.packing`). Each segment's queries see the call's past (cache
+positions ``[0, start)``), the tokens of its ancestors in the row, and its own tokens causally: over its
+keys, a causal mask aligned bottom-right. A :class:`SegmentLayout` holds this for one call: per segment its
+queries (a run of the row) and its keys (position ranges of the path's K/V), as the cumulative lengths and
+key index a variable-length kernel takes. No mask, no rectangle: only the pairs the tree needs.
 
-The walk matches the call by its mask (the same storage, the row's shape), so a model that builds another
-mask from it, or attends without sdpa, computes the rectangle as before: exact either way. Used on a CPU
-only: on a GPU a call per segment and layer costs a kernel launch each, and flex attention
-(:func:`~trl_dta.walk.packing.packed_block_mask`) computes only the tiles that hold a visible pair.
+The kernels, chosen per call (:func:`attention`):
+
+* on CUDA in bf16/fp16: torch's flash kernel for variable-length batches
+  (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.11), one kernel per layer forward and one backward.
+  The keys of every segment are gathered into one tensor (``index_select``): segments that share a past each
+  get a copy of its K/V, kept for the backward (:func:`~trl_dta.walk.budgets.activation_bytes` counts them).
+  A call with one segment (a push) reads the path's buffer in place. Checked once per device, dtype and
+  head shape against the sdpa path below on a small random call; where it fails or differs, that path
+  runs instead and a warning says so;
+* elsewhere (a CPU, float32/64, a head size the flash kernel refuses): the same layout through
+  ``scaled_dot_product_attention``, once per segment; or, for a packed row whose segments see most of its
+  rectangle (:func:`~trl_dta.walk.costs.per_segment_pays`), once for the row with its tree-shaped mask
+  (copying every segment's keys then costs about what the skipped pairs save). CPU tests check this path
+  exactly (fp64 against dense), and the flash kernel is checked against it.
+
+The hook: :func:`attention` is registered in transformers' ``AttentionInterface`` as :data:`ATTENTION`
+(as TRL's asynchronous trainer hooks in its tree attention), so every decoder whose attention layers call
+transformers' attention functions walks with it. :func:`attending` switches a model's config to it for the
+time of one call and hands it the call's layout; with no mask function registered under that name,
+transformers builds no mask. A model whose layers do not call it once each (their own attention code) is
+caught by :meth:`SegmentLayout.check_used`; the construction probe (:mod:`trl_dta.walk.probe`) compares the
+whole path with the model's dense forward before the walk uses it, and falls back to the model's own
+attention with a mask where it differs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
 import torch
 from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
+
+from .costs import per_segment_pays
+from .errors import MEMORY_ERRORS, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from .inputs import PackedRow
+
+logger = logging.getLogger(__name__)
+
+ATTENTION = "trl_dta_segments"  # the name in transformers' AttentionInterface
+_ACTIVE: contextvars.ContextVar[SegmentLayout | None] = contextvars.ContextVar("trl_dta_layout", default=None)
+
+try:  # torch >= 2.10 (the causal switch: ``is_causal`` in 2.10, ``window_size=(-1, 0)`` from 2.11)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - torch < 2.10
+    varlen_attn = None
 
 
-def segment_keys(lengths: list[int], parents: tuple[int, ...], start: int) -> list[tuple[slice, object]]:
-    """For each segment of a packed row of ``lengths`` (``parents[k]``: the index of segment ``k``'s parent in
-    the row, -1 for the shared past; parents come first) on a past of ``start`` tokens: its queries (a slice
-    of the row) and the keys it sees (the past, its ancestors' tokens and its own, as a slice of the row's
-    keys where they are contiguous, else an index tensor)."""
-    offsets = [0]
-    for n in lengths:
-        offsets.append(offsets[-1] + n)
+def key_ranges(lengths: list[int], parents: tuple[int, ...], start: int) -> list[list[tuple[int, int]]]:
+    """For each segment of a row of ``lengths`` (``parents[k]``: the index of segment ``k``'s parent in the
+    row, -1 for the past; parents come first) on a past of ``start`` tokens: the cache positions it sees (the
+    past, its ancestors' tokens, its own), as ascending ``[begin, end)`` ranges, adjacent ones merged."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)]) + start
     out = []
     for k in range(len(lengths)):
         chain, j = [], k
         while j >= 0:
             chain.append(j)
             j = parents[j]
-        ranges: list[list[int]] = [[0, start]] if start else []
+        ranges = [[0, start]] if start else []
         for j in reversed(chain):  # in row order: ancestors come before their descendants
-            lo, hi = start + offsets[j], start + offsets[j + 1]
+            lo, hi = int(offsets[j]), int(offsets[j + 1])
             if ranges and ranges[-1][1] == lo:
                 ranges[-1][1] = hi
             else:
                 ranges.append([lo, hi])
-        if len(ranges) == 1:
-            keys = slice(*ranges[0])
-        else:
-            keys = torch.cat([torch.arange(lo, hi) for lo, hi in ranges])
-        out.append((slice(offsets[k], offsets[k + 1]), keys))
+        out.append([(lo, hi) for lo, hi in ranges])
     return out
 
 
-class SegmentAttention(TorchFunctionMode):
-    """Within ``with SegmentAttention(mask, keys):``, an sdpa call whose ``attn_mask`` is ``mask`` (the row's
-    [1, 1, T, start + T] additive mask, or a view of it) runs once per segment of ``keys``
-    (:func:`segment_keys`); any other call runs as given. ``calls``: how many calls it split."""
+@dataclass(eq=False)
+class SegmentLayout:
+    """One call's segments (module docstring): host lengths, and the kernel's index tensors on the device.
 
-    def __init__(self, mask: torch.Tensor, keys: list[tuple[slice, object]]):
-        super().__init__()
-        self._mask = mask  # (held: its storage identifies the row's sdpa calls)
-        self._shape = tuple(mask.shape[-2:])
-        self._keys = [(q, k.to(mask.device) if isinstance(k, torch.Tensor) else k) for q, k in keys]
-        self.calls = 0
+    ``q_cu`` / ``k_cu``: cumulative query / key lengths [n + 1] (int32); ``key_index``: the cache positions
+    of every segment's keys, concatenated [sum(k_lens)] (None: one segment that sees ``[0, start + tokens)``,
+    read in place); ``row``: a packed row's index tensors (its mask, where the row is attended whole);
+    ``split``: the sdpa path attends per segment (else the row at once)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is not F.scaled_dot_product_attention or len(args) < 3:
-            return func(*args, **kwargs)
-        query, key, value, *rest = args
-        mask = rest.pop(0) if rest else kwargs.pop("attn_mask", None)
-        if not self._is_row(mask, query, key):
-            return func(query, key, value, mask, *rest, **kwargs)
-        self.calls += 1
-        out = []
-        for q, k in self._keys:
-            if isinstance(k, slice):
-                part = (key[..., k, :], value[..., k, :], mask[..., q, k])
-            else:
-                part = (
-                    key.index_select(-2, k),
-                    value.index_select(-2, k),
-                    mask[..., q, :].index_select(-1, k),
-                )
-            out.append(func(query[..., q, :], part[0], part[1], part[2], *rest, **kwargs))
-        return torch.cat(out, dim=-2)
+    start: int
+    q_lens: tuple[int, ...]
+    k_lens: tuple[int, ...]
+    q_cu: torch.Tensor
+    k_cu: torch.Tensor
+    key_index: torch.Tensor | None
+    row: PackedRow | None
+    split: bool
+    calls: int = 0  # attention calls made with it since the call began
 
-    def _is_row(self, mask, query: torch.Tensor, key: torch.Tensor) -> bool:
-        return (
-            isinstance(mask, torch.Tensor)
-            and mask.data_ptr() == self._mask.data_ptr()  # (the row's mask or a slice of it from its start)
-            and mask.untyped_storage().data_ptr() == self._mask.untyped_storage().data_ptr()
-            and mask.stride()[-2:] == self._mask.stride()[-2:]
-            and tuple(mask.shape[-2:]) == self._shape
-            and (query.shape[-2], key.shape[-2]) == self._shape
+    @property
+    def tokens(self) -> int:
+        return sum(self.q_lens)
+
+    @staticmethod
+    def host(lengths: list[int], parents: tuple[int, ...], start: int):
+        """The layout's host arrays: ``(q_cu, k_cu, key_index or None, k_lens, split)``."""
+        ranges = key_ranges(lengths, parents, start)
+        k_lens = [sum(hi - lo for lo, hi in r) for r in ranges]
+        q_cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        k_cu = np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)
+        index = None
+        if len(lengths) > 1:
+            index = np.concatenate([np.arange(lo, hi) for r in ranges for lo, hi in r]).astype(np.int64)
+        tokens = sum(lengths)
+        needed = sum(q * k - q * (q - 1) // 2 for q, k in zip(lengths, k_lens, strict=True))
+        split = len(lengths) == 1 or per_segment_pays(start, tokens, needed)
+        return q_cu, k_cu, index, k_lens, split
+
+    @classmethod
+    def build(
+        cls, lengths: list[int], parents: tuple[int, ...], start: int, device, row=None
+    ) -> SegmentLayout:
+        """A layout built here, with its own host-to-device copies (the probe's, tests'); a walk builds its
+        calls' layouts at once (:class:`~trl_dta.walk.inputs.WalkInputs`)."""
+        q_cu, k_cu, index, k_lens, split = cls.host(lengths, parents, start)
+        return cls(
+            start,
+            tuple(lengths),
+            tuple(k_lens),
+            torch.from_numpy(q_cu).to(device),
+            torch.from_numpy(k_cu).to(device),
+            None if index is None else torch.from_numpy(index).to(device),
+            row,
+            split,
         )
+
+    def check_used(self, layers: int, name: str) -> None:
+        """Refuse a call whose model did not attend through :func:`attention` once per attention layer."""
+        if self.calls != layers:
+            raise UnsupportedModelError(
+                f"{name}: {self.calls} of its {layers} attention layers called transformers' attention "
+                f"function {ATTENTION!r}; a model with its own attention code cannot attend per segment."
+            )
+
+
+@contextlib.contextmanager
+def attending(config, layout: SegmentLayout):
+    """Within: the attention layers of the model of ``config`` (its text config, which its layers read)
+    call :func:`attention` with ``layout`` (module docstring)."""
+    token = _ACTIVE.set(layout)
+    previous = config._attn_implementation
+    _set_implementation(config, ATTENTION)
+    layout.calls = 0
+    try:
+        yield
+    finally:
+        _set_implementation(config, previous)
+        _ACTIVE.reset(token)
+
+
+def _set_implementation(config, name) -> None:
+    # (the internal attribute: the property's setter also rewrites sub-configs, which the walk does not read)
+    if hasattr(config, "_attn_implementation_internal"):
+        config._attn_implementation_internal = name
+    else:  # pragma: no cover - other transformers layouts
+        config._attn_implementation = name
+
+
+_REFUSED = ("sliding_window", "softcap", "s_aux")  # attention variants the layout does not apply
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function interface: ``query`` [1, H, T, D], ``key`` / ``value`` [1, Hkv,
+    start + T, D] (the path's K/V and the call's, from :class:`~trl_dta.walk.cache.PathLayer`), the mask
+    (None; ignored) → the output [1, T, H, D] and no weights."""
+    layout = _ACTIVE.get()
+    if layout is None:
+        raise RuntimeError(f"internal: the attention function {ATTENTION!r} was called outside a walk's call")
+    for name in _REFUSED:
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"attention with {name} is not attended per segment")
+    if dropout:
+        raise UnsupportedModelError("attention dropout is not attended per segment")
+    if (
+        query.shape[0] != 1
+        or key.shape[-2] != layout.start + layout.tokens
+        or query.shape[-2] != layout.tokens
+    ):
+        raise RuntimeError(
+            f"internal: attention per segment got queries {tuple(query.shape)} and keys {tuple(key.shape)} "
+            f"for a call of {layout.tokens} tokens on a past of {layout.start}"
+        )
+    layout.calls += 1
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [S, Hkv, D]
+    if _flash_usable(q, k, scale):
+        out = _flash(q, *_gathered(k, v, layout), layout, scale)
+    elif layout.split:
+        out = _sdpa_per_segment(q, *_gathered(k, v, layout), layout, scale)
+    else:
+        out = _sdpa_row(query, key, value, layout, scale)
+    return out.unsqueeze(0), None
+
+
+def _gathered(k, v, layout: SegmentLayout):
+    """Every segment's keys and values, one after another [sum(k_lens), Hkv, D] (the buffer as it is for a
+    lone segment)."""
+    if layout.key_index is None:
+        return k, v
+    return k.index_select(0, layout.key_index), v.index_select(0, layout.key_index)
+
+
+# ---------------------------------------------------------------------- the sdpa path
+def _sdpa_per_segment(q, k, v, layout: SegmentLayout, scale: float) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    outs, q0, k0 = [], 0, 0
+    for n, m in zip(layout.q_lens, layout.k_lens, strict=True):
+        # [1, heads, n or m, D]: sdpa's fused CPU kernels take 4-D inputs only
+        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[q0 : q0 + n], k[k0 : k0 + m], v[k0 : k0 + m]))
+        mask = None if n == m else torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+        o = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, is_causal=n == m, scale=scale, enable_gqa=gqa
+        )
+        outs.append(o[0].transpose(0, 1))
+        q0, k0 = q0 + n, k0 + m
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+
+def _sdpa_row(query, key, value, layout: SegmentLayout, scale: float) -> torch.Tensor:
+    """A packed row at once, with its tree-shaped mask (built once per call, shared by its layers)."""
+    mask = getattr(layout, "_mask", None)
+    if mask is None:
+        from .packing import packed_visible
+
+        mask = layout._mask = packed_visible(layout.row, layout.start)[None, None]
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+    )  # [1, H, T, D]
+    return out[0].transpose(0, 1)
+
+
+# ---------------------------------------------------------------------- torch's flash kernel (CUDA)
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_VERDICTS: dict[tuple, bool] = {}  # (device, dtype, heads, kv heads, head dim): the kernel checked exact
+_CHECK_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+
+def _flash_kwargs(gqa: bool) -> dict | None:
+    """The keyword arguments of this torch's ``varlen_attn`` for causal attention with a scale; None where it
+    has no scale or causal switch (torch 2.10: not used)."""
+    if varlen_attn is None:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "scale" not in params or "window_size" not in params:
+        return None
+    kwargs = {"window_size": (-1, 0)}  # causal, aligned bottom-right
+    if "enable_gqa" in params:  # (torch >= 2.12; 2.11's kernel takes fewer K/V heads as they are)
+        kwargs["enable_gqa"] = gqa
+    return kwargs
+
+
+def _flash(q, k, v, layout: SegmentLayout, scale: float) -> torch.Tensor:
+    kwargs = _flash_kwargs(q.shape[1] != k.shape[1])
+    max_q, max_k = max(layout.q_lens), max(layout.k_lens)
+    return varlen_attn(q, k, v, layout.q_cu, layout.k_cu, max_q, max_k, scale=scale, **kwargs)
+
+
+def _flash_usable(q, k, scale: float) -> bool:
+    """Whether torch's flash kernel runs this call: CUDA, bf16/fp16, and checked exact once for its shapes."""
+    if not q.is_cuda or q.dtype not in _FLASH_DTYPES or k.dtype != q.dtype or not enabled():
+        return False
+    key = (q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1])
+    if key not in _VERDICTS:
+        _VERDICTS[key] = _flash_is_exact(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], scale)
+    return _VERDICTS[key]
+
+
+def _flash_is_exact(device, dtype, heads: int, kv_heads: int, head_dim: int, scale: float) -> bool:
+    """Run the flash kernel on a small call of two segments (one on a past) in the path buffer's strides and
+    compare its outputs and gradients with the sdpa path's in float32; warn and return False where it fails or
+    differs."""
+    if _flash_kwargs(heads != kv_heads) is None:
+        return False
+    try:
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            gen = torch.Generator(device=device).manual_seed(0)
+            layout = SegmentLayout.build([5, 3], (-1, 0), 4, device)
+            tokens = 4 + layout.tokens
+            q = torch.randn(1, heads, layout.tokens, head_dim, device=device, generator=gen)
+            buffer = torch.randn(2, 1, kv_heads, tokens + 3, head_dim, device=device, generator=gen)
+            kv = [b[..., :tokens, :] for b in buffer]  # (strided as the path's K/V)
+            grad = torch.randn(layout.tokens, heads, head_dim, device=device, generator=gen)
+            outs = []
+            for run, cast in ((_flash, dtype), (_sdpa_per_segment, torch.float32)):
+                inputs = [t.detach().to(cast).requires_grad_() for t in (q, *kv)]
+                qq, kk, vv = (t[0].transpose(0, 1) for t in inputs)
+                out = run(qq, *_gathered(kk, vv, layout), layout, scale)
+                out.float().backward(grad)
+                outs.append([out.float()] + [t.grad.float() for t in inputs])
+            err = max(
+                ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
+                for a, b in zip(*outs, strict=True)
+            )
+    except MEMORY_ERRORS:
+        raise
+    except Exception as e:  # noqa: BLE001 - a kernel that refuses these shapes or this device
+        logger.warning(
+            "torch's flash varlen kernel fails for %s %s heads %d/%d x %d (%r): the walk attends "
+            "per segment with sdpa instead.",
+            device,
+            dtype,
+            heads,
+            kv_heads,
+            head_dim,
+            e,
+        )
+        return False
+    if not err <= _CHECK_TOLERANCE[dtype]:
+        logger.warning(
+            "torch's flash varlen kernel differs from sdpa by %.2e for %s %s heads %d/%d x %d: the "
+            "walk attends per segment with sdpa instead.",
+            err,
+            device,
+            dtype,
+            heads,
+            kv_heads,
+            head_dim,
+        )
+        return False
+    return True
+
+
+_FLASH = True  # calls on CUDA may use torch's flash kernel (use_flash)
+
+
+def enabled() -> bool:
+    """Whether calls on CUDA may use torch's flash kernel (:func:`use_flash`)."""
+    return _FLASH
+
+
+@contextlib.contextmanager
+def use_flash(on: bool):
+    """Within: calls on CUDA use torch's flash kernel (``on``) or the sdpa path (benchmarks compare them)."""
+    global _FLASH
+    previous, _FLASH = _FLASH, on
+    try:
+        yield
+    finally:
+        _FLASH = previous
+
+
+def register() -> None:
+    """Register :func:`attention` in transformers' ``AttentionInterface`` (and no mask function: transformers
+    builds no mask for it)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, attention)
+
+
+register()

@@ -112,7 +112,7 @@ def _compute_segment(lm: CausalLM, walk: Walk, segment: Segment) -> SegmentOutpu
     if lead:
         ids = torch.cat([top.pending, ids])
     start = segment.start - lead
-    hidden, caches, routers = forward(lm, walk, ids[None], start)
+    hidden, caches, routers = forward(lm, walk, ids[None], start, layout=walk.inputs.layout(segment))
     terms = _route_rows(lm, walk, segment.node, routers, top, lead)
     router_term = torch.stack(terms).sum() if terms else None
     if not walk.scoring:
@@ -158,7 +158,7 @@ def _rows(lm: CausalLM, walk: Walk, step: SiblingLeaves | PackedSubtree, packed:
         if len(segments) > 1 and packed:
             hiddens, routers = forward_packed(lm, walk, ids, start, step)
         else:
-            hiddens, routers = forward_padded(lm, walk, ids, start)
+            hiddens, routers = forward_padded(lm, walk, ids, start, walk.inputs.layout(step))
         losses = [
             term
             for segment, r in zip(segments, routers, strict=True)
