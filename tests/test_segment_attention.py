@@ -218,3 +218,12 @@ def test_the_attention_function_refuses_what_it_does_not_apply():
             sa.attention(None, q, k, v, None, dropout=0.1)
     with pytest.raises(RuntimeError, match="outside a walk"):
         sa.attention(None, q, k, v, None)
+
+
+def test_a_packed_row_is_priced_at_the_pairs_its_segments_see():
+    config = make_model().config
+    cpu = CallCost.for_model(config, "cpu", per_segment=True)
+    assert cpu.row_pairs(3, 10, 65) == 65  # half of 10 x 13: split
+    assert cpu.row_pairs(3, 10, 66) == 130  # (the rectangle: not split on a CPU)
+    assert CallCost.for_model(config, "cuda", per_segment=True).row_pairs(3, 10, 66) == 66  # (varlen)
+    assert CallCost.for_model(config, "cpu").row_pairs(3, 10, 40) == 10 * 13  # (a mask: the rectangle)

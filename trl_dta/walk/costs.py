@@ -9,13 +9,16 @@ One forward + backward call of the walk costs about::
 * ``per_token``: the decoder's matmuls, ``6 x`` the parameters a token runs through (forward + backward),
   at the device's FLOP rate (the LM head scores the same positions however calls are cut: left out);
 * ``per_pair``: attention, ``12 x`` the query width per query-key pair and layer. A packed row with a dense
-  additive mask (eager; sdpa on a GPU) computes every pair of its ``tokens x (past + tokens)`` rectangle,
-  masked or not; a block-sparse mask (flex attention's ``BlockMask``) only the tiles that hold a visible
-  pair, about what the tree needs plus a tile's width per row; sdpa on a CPU attends segment by segment
-  (:mod:`~trl_dta.walk.segment_attention`), about the pairs the tree needs (``per_segment``).
+  additive mask (eager, or a model the walk's attention function cannot run) computes every pair of its
+  ``tokens x (past + tokens)`` rectangle, masked or not; a block-sparse mask (flex attention's ``BlockMask``)
+  only the tiles that hold a visible pair, about what the tree needs plus a tile's width per row; attention
+  per segment (sdpa models, :mod:`~trl_dta.walk.segment_attention`: ``per_segment``) the pairs the tree
+  needs: always on a GPU (torch's flash varlen kernel), and on a CPU where splitting the row pays
+  (:func:`per_segment_pays`; else the rectangle).
 
 Merging two calls saves one ``fixed`` and, with a dense mask, costs the pairs between them that the mask
-hides. A GPU's launches are expensive next to its FLOPs: it merges far more than a CPU does.
+hides (per segment, nothing). A GPU's launches are expensive next to its FLOPs: it merges far more than a CPU
+does.
 
 On a CPU the host computes: a walk costs the sum of its calls' costs (what ``benchmarks/call_costs.py``
 fitted, and the plan measured fastest there). On a GPU the host launches the next kernels while the device
@@ -138,7 +141,7 @@ class CallCost:
     def row_pairs(self, past: int, tokens: int, needed: int) -> int:
         """The query-key pairs one packed call computes: ``tokens`` on a past of ``past`` tokens, the tree
         needing ``needed`` of them (the fitted model, :mod:`trl_dta.walk.cost_fit`, counts the same)."""
-        if self.per_segment and per_segment_pays(past, tokens, needed):  # (segment_attention.py)
+        if self.per_segment and (self.overlap or per_segment_pays(past, tokens, needed)):  # (a GPU: varlen)
             return needed
         pairs = needed + tokens * TILE if self.block_sparse else tokens * (past + tokens)
         return min(pairs, tokens * (past + tokens))

@@ -41,7 +41,8 @@ class _Join(torch.autograd.Function):
     def backward(ctx, grad):
         start = ctx.start
         if start:
-            ctx.grad_buffer[..., :start, :].add_(grad[..., :start, :].sum(0, keepdim=True))
+            past = grad[..., :start, :]
+            ctx.grad_buffer[..., :start, :].add_(past.sum(0, keepdim=True) if past.shape[0] > 1 else past)
         return grad[..., start:, :].to(ctx.new_dtype), None, None, None, None
 
 
@@ -68,14 +69,14 @@ class PathKV:
                 f"internal: a forward reaches cache position {start + keys.shape[-2]}, past the walk's "
                 f"capacity {self.capacity}"
             )
-        if layer not in self.buffers:
+        if layer not in self.buffers:  # (uninitialised: a position is always written before it is read)
             shape = (1, keys.shape[1], self.capacity, keys.shape[-1])
-            self.buffers[layer] = [keys.new_zeros(shape), values.new_zeros(*shape[:-1], values.shape[-1])]
+            self.buffers[layer] = [keys.new_empty(shape), values.new_empty(*shape[:-1], values.shape[-1])]
             self.writers[layer] = [b.data for b in self.buffers[layer]]  # own version counters
         grads = [None, None]
-        if torch.is_grad_enabled():  # (no-grad walks never need them)
+        if torch.is_grad_enabled() and start:  # (no-grad walks, and forwards on no past, never need them)
             if layer not in self.grads:
-                dtype = torch.promote_types(keys.dtype, torch.float32)  # float64 for float64 models
+                dtype = torch.float64 if keys.dtype == torch.float64 else torch.float32
                 self.grads[layer] = [torch.zeros_like(b, dtype=dtype) for b in self.buffers[layer]]
             grads = self.grads[layer]
             self.dirty = max(self.dirty, start)

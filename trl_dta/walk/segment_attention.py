@@ -198,8 +198,8 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         )
     layout.calls += 1
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q = query[0].transpose(0, 1)  # [T, H, D]
-    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [S, Hkv, D]
+    q = query.squeeze(0).transpose(0, 1)  # [T, H, D] (views: no copy, none in backward)
+    k, v = key.squeeze(0).transpose(0, 1), value.squeeze(0).transpose(0, 1)  # [S, Hkv, D]
     if _flash_usable(q, k, scale):
         out = _flash(q, *_gathered(k, v, layout), layout, scale)
     elif layout.split:
