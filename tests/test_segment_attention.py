@@ -8,6 +8,7 @@ per-sequence gradients, on the flash path, and the probe's fallback for a model 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import pytest
@@ -227,3 +228,32 @@ def test_a_packed_row_is_priced_at_the_pairs_its_segments_see():
     assert cpu.row_pairs(3, 10, 66) == 130  # (the rectangle: not split on a CPU)
     assert CallCost.for_model(config, "cuda", per_segment=True).row_pairs(3, 10, 66) == 66  # (varlen)
     assert CallCost.for_model(config, "cpu").row_pairs(3, 10, 40) == 10 * 13  # (a mask: the rectangle)
+
+
+def test_under_autocast_over_float32_weights_the_flash_path_attends_in_autocasts_dtype():
+    """TRL's bf16 mixed precision: float32 weights under autocast, where queries and keys leave their norms
+    and RoPE in float32. The function attends in autocast's dtype, as sdpa does under autocast, so the flash
+    kernel runs (it takes bf16/fp16 only), and the walk agrees with the sdpa path to bf16 rounding."""
+    seen = []
+
+    @functools.wraps(reference_varlen_attn)
+    def kernel(query, key, value, *args, **kwargs):
+        seen.append((query.dtype, key.dtype, value.dtype))
+        return reference_varlen_attn(query, key, value, *args, **kwargs)
+
+    model = make_model("qwen3", "sdpa", dtype=torch.float32)
+    seqs = [[5, 6, 7, 8, 9, 3, 3], [5, 6, 7, 3, 4, 2], [5, 6, 1, 1, 2], [9, 8, 7, 6]]
+    trie = PrefixTrie.from_sequences(seqs)
+    grads, flash_calls = [], []
+    for flash in (True, False):
+        with flash_on_cpu(kernel) if flash else sa.use_flash(False):
+            executor = TreeExecutor(model, block_size=1000)
+            seen.clear()  # (the probe runs in float32, autocast off)
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                executor.backward(trie, lambda i, lp, e: lp.float().sum())
+        grads.append(grads_of(model))
+        flash_calls = flash_calls if not flash else list(seen)
+    assert not seen  # (the sdpa path ran last)
+    assert flash_calls and set(flash_calls) == {(torch.bfloat16,) * 3}
+    assert max_rel_diff(*grads) < 3e-2

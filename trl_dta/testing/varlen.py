@@ -169,7 +169,7 @@ def flash_on_cpu(kernel=reference_varlen_attn):
     with ``kernel`` in place of torch's ``varlen_attn``."""
     saved = segment_attention.varlen_attn, segment_attention._flash_usable
     segment_attention.varlen_attn = kernel
-    segment_attention._flash_usable = lambda q, k, scale: segment_attention.enabled()
+    segment_attention._flash_usable = lambda q, k, dtype, scale: segment_attention.enabled()
     try:
         yield
     finally:

@@ -200,13 +200,27 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query.squeeze(0).transpose(0, 1)  # [T, H, D] (views: no copy, none in backward)
     k, v = key.squeeze(0).transpose(0, 1), value.squeeze(0).transpose(0, 1)  # [S, Hkv, D]
-    if _flash_usable(q, k, scale):
-        out = _flash(q, *_gathered(k, v, layout), layout, scale)
+    dtype = _autocast_dtype(q) or q.dtype  # (as sdpa under autocast: attention in autocast's dtype)
+    if _flash_usable(q, k, dtype, scale):
+        out = _flash(*_cast(dtype, q, *_gathered(k, v, layout)), layout, scale)
     elif layout.split:
-        out = _sdpa_per_segment(q, *_gathered(k, v, layout), layout, scale)
+        out = _sdpa_per_segment(*_cast(dtype, q, *_gathered(k, v, layout)), layout, scale)
     else:
-        out = _sdpa_row(query, key, value, layout, scale)
+        out = _sdpa_row(*_cast(dtype, query, key, value), layout, scale)
     return out.unsqueeze(0), None
+
+
+def _cast(dtype, *tensors):
+    return [t.to(dtype) for t in tensors]  # (no copy where it is that dtype)
+
+
+def _autocast_dtype(q) -> torch.dtype | None:
+    """Autocast's dtype where it is on for ``q``'s device (sdpa runs in it there: so does this function;
+    under bf16 mixed precision over float32 weights, queries and keys leave their norms and RoPE in float32),
+    else None."""
+    if not torch.is_autocast_enabled(q.device.type):
+        return None
+    return torch.get_autocast_dtype(q.device.type)
 
 
 def _gathered(k, v, layout: SegmentLayout):
@@ -272,13 +286,14 @@ def _flash(q, k, v, layout: SegmentLayout, scale: float) -> torch.Tensor:
     return varlen_attn(q, k, v, layout.q_cu, layout.k_cu, max_q, max_k, scale=scale, **kwargs)
 
 
-def _flash_usable(q, k, scale: float) -> bool:
-    """Whether torch's flash kernel runs this call: CUDA, bf16/fp16, and checked exact once for its shapes."""
-    if not q.is_cuda or q.dtype not in _FLASH_DTYPES or k.dtype != q.dtype or not enabled():
+def _flash_usable(q, k, dtype, scale: float) -> bool:
+    """Whether torch's flash kernel runs this call (attention in ``dtype``): CUDA, bf16/fp16, and checked
+    exact once for its shapes."""
+    if not q.is_cuda or dtype not in _FLASH_DTYPES or not enabled():
         return False
-    key = (q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1])
+    key = (q.device, dtype, q.shape[1], k.shape[1], q.shape[-1])
     if key not in _VERDICTS:
-        _VERDICTS[key] = _flash_is_exact(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], scale)
+        _VERDICTS[key] = _flash_is_exact(q.device, dtype, q.shape[1], k.shape[1], q.shape[-1], scale)
     return _VERDICTS[key]
 
 
@@ -295,15 +310,14 @@ def _flash_is_exact(device, dtype, heads: int, kv_heads: int, head_dim: int, sca
             tokens = 4 + layout.tokens
             q = torch.randn(1, heads, layout.tokens, head_dim, device=device, generator=gen)
             buffer = torch.randn(2, 1, kv_heads, tokens + 3, head_dim, device=device, generator=gen)
-            kv = [b[..., :tokens, :] for b in buffer]  # (strided as the path's K/V)
             grad = torch.randn(layout.tokens, heads, head_dim, device=device, generator=gen)
             outs = []
             for run, cast in ((_flash, dtype), (_sdpa_per_segment, torch.float32)):
-                inputs = [t.detach().to(cast).requires_grad_() for t in (q, *kv)]
-                qq, kk, vv = (t[0].transpose(0, 1) for t in inputs)
-                out = run(qq, *_gathered(kk, vv, layout), layout, scale)
+                qq, kv = (t.detach().to(cast).requires_grad_() for t in (q, buffer))
+                k, v = (b[0, :, :tokens].transpose(0, 1) for b in kv)  # (strided as the path's K/V)
+                out = run(qq[0].transpose(0, 1), *_gathered(k, v, layout), layout, scale)
                 out.float().backward(grad)
-                outs.append([out.float()] + [t.grad.float() for t in inputs])
+                outs.append([out.float(), qq.grad.float(), kv.grad.float()])
             err = max(
                 ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
                 for a, b in zip(*outs, strict=True)
