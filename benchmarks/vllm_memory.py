@@ -44,6 +44,9 @@ from peer_bench.workloads import shapes_for  # noqa: E402
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
 from trl_dta.walk import peak as peak_stats  # noqa: E402
 from trl_dta.walk.budgets import HEAD_ROWS, activation_bytes  # noqa: E402
+from trl_dta.walk.memory_model import plan_peak  # noqa: E402
+from trl_dta.walk.plan import build_plan  # noqa: E402
+from trl_dta.walk.scoring import scored_from  # noqa: E402
 
 QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, vocab_size=151936, tie_word_embeddings=True,
@@ -70,33 +73,45 @@ def step(scale: float, vocab: int):
     return seqs, froms, PrefixTrie.from_sequences(seqs)
 
 
-def walk_peak(config, block: int, calls: int, trie=None) -> float:
-    """The walk's activation peak at these budgets (bytes): the memory model ``token_budgets`` plans with,
-    values-only entropies (TRL's default: no entropy bonus), every token counted as scored. With ``trie``,
-    no more than it holds: a block of at most its longest path, calls of at most its unique tokens."""
-    per = activation_bytes(config, torch.bfloat16, entropy_grad=False)
-    if trie is not None:
-        block = min(block, max(n.start for n in trie.nodes() if n.is_leaf))
-        calls = min(calls, trie.num_unique_tokens)
-    return (per.position + per.token + per.scored) * (block + calls) + per.transient * HEAD_ROWS
+def walk_peak(
+    config, block: int, calls: int, trie=None, froms=None, attention: str = "segments", gradients_held=False
+) -> float:
+    """The walk's activation peak at these budgets (bytes), under bf16 autocast over float32 weights (the GPU
+    config): values-only entropies (TRL's default: no entropy bonus). Without ``trie``, the memory model
+    ``token_budgets`` plans with (every token counted as scored, the path as long as the block); with it,
+    that model applied to the walk's plan step by step (``trl_dta.walk.memory_model.plan_peak``: the plan of
+    the fixed budgets, its calls' ``attention``). Both add autocast's bf16 copies of the weights and, with
+    ``gradients_held`` (gradients allocated before the walk, as ``measured`` does; TRL's first micro-batch of
+    a step has none), the fresh float32 gradients the walk accumulates into before adding them."""
+    per = activation_bytes(config, torch.bfloat16, entropy_grad=False, autocast=True)
+    fixed = 2 * PARAMS + (4 * PARAMS if gradients_held else 0)
+    if trie is None:
+        return (per.position + per.token + per.scored) * (block + calls) + per.transient * HEAD_ROWS + fixed
+    plan = build_plan(trie, block, calls, True, calls)
+    return plan_peak(plan, config, per, scored_from(trie, froms)[1], attention).total + fixed
 
 
 def dense_checkpointed_peak(config, seqs, froms, micro_batch: int) -> float:
-    """Stock TRL's dense pass with gradient checkpointing, at its largest micro-batch (bytes): every decoder
-    layer's float32 input (the residual stream stays float32 under bf16 autocast over fp32 weights), one
-    layer's graph rebuilt in the backward (``activation_bytes``' per-layer share), TRL's chunked LM head
-    (its float32 input, and the log-normaliser, log-prob and entropy of each scored position)."""
-    per = activation_bytes(config, torch.bfloat16, entropy_grad=False)
+    """Stock TRL's dense pass with gradient checkpointing, at its largest micro-batch (bytes), under bf16
+    autocast over float32 weights: every decoder layer's float32 input, one layer's graph rebuilt in the
+    backward (``activation_bytes``' per-layer share, autocast's), its attention's K/V repeated to every query
+    head (transformers' sdpa with a padding mask, grouped-query attention) and the micro-batch's 4-D mask (one
+    byte a pair), TRL's chunked LM head (its float32 input, and the log-normaliser, log-prob and entropy of
+    each scored position), and autocast's bf16 copies of the weights."""
+    per = activation_bytes(config, torch.bfloat16, entropy_grad=False, autocast=True)
     layers, width = config.num_hidden_layers, config.hidden_size
     per_layer = (per.token - (4 * width + 2 * 2 * width) - 8) / layers  # (less the final norm, the token id)
+    repeated = 2 * config.num_attention_heads * config.head_dim * 2  # K and V of every query head, bf16
     peak = 0.0
     rows = sorted(range(len(seqs)), key=lambda r: -len(seqs[r]))  # TRL shuffles; the longest batch bounds
     for k in range(0, len(rows), micro_batch):
         batch = rows[k : k + micro_batch]
-        tokens = len(batch) * max(len(seqs[r]) for r in batch)  # padded
+        width_tokens = max(len(seqs[r]) for r in batch)
+        tokens = len(batch) * width_tokens  # padded
         scored = len(batch) * max(len(seqs[r]) - froms[r] - 1 for r in batch)
-        peak = max(peak, tokens * (layers * 4 * width + per_layer) + scored * (4 * width + 12))
-    return peak
+        layer = tokens * (layers * 4 * width + per_layer + repeated) + len(batch) * width_tokens**2
+        peak = max(peak, layer + scored * (4 * width + 12))
+    return peak + 2 * PARAMS
 
 
 def paper(args) -> dict:
@@ -194,7 +209,8 @@ def measured(args) -> dict:
     got = {"dense + gradient checkpointing": peak_of(dense), "walk, block 2048, calls 2048": peak_of(walk)}
     dense_gb = dense_checkpointed_peak(config, seqs, froms, MICRO_BATCH) / 1e9
     predicted = {"dense + gradient checkpointing": dense_gb,
-                 "walk, block 2048, calls 2048": walk_peak(config, 2048, 2048, trie) / 1e9}  # fmt: skip
+                 "walk, block 2048, calls 2048": walk_peak(config, 2048, 2048, trie, froms,
+                                                           gradients_held=True) / 1e9}  # fmt: skip
     report = {"device": str(device), "scale": args.scale, "layers": args.layers, "rows": len(seqs),
               "tokens": trie.num_tokens, "measured_gb": got, "predicted_gb": predicted}  # fmt: skip
     for name in got:

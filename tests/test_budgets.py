@@ -30,33 +30,42 @@ QWEN3_1_7B = Qwen3Config(hidden_size=2048, intermediate_size=6144, num_attention
                          vocab_size=151936)  # fmt: skip
 
 
-def _saved_bytes(model, length: int, scored: int, entropies: bool) -> int:
+def _saved_bytes(model, length: int, scored: int, entropies: bool, autocast: bool = False) -> int:
     """Peak bytes autograd holds (each storage once) for one walk of one sequence, whole in one block."""
     executor = TreeExecutor(model, block_size=4 * length, memory_budget=None)
     trie = PrefixTrie.from_sequences([[(7 * t) % 1999 + 1 for t in range(length)]])
     froms = [length - 1 - scored]
     loss = lambda i, lp, ent: -lp.sum() - (ent.sum() if ent is not None else 0)  # noqa: E731
-    executor.backward(trie, loss, score_from=froms, entropies=entropies)  # warm: probe, checks
-    with SavedTensorMeter(model, by_storage=True) as meter:
-        executor.backward(trie, loss, score_from=froms, entropies=entropies)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        executor.backward(trie, loss, score_from=froms, entropies=entropies)  # warm: probe, checks
+        with SavedTensorMeter(model, by_storage=True) as meter:
+            executor.backward(trie, loss, score_from=froms, entropies=entropies)
     return meter.peak
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "autocast"])
 def test_activation_bytes_match_saved_bytes(family, dtype):
+    """Per token, what autograd saves (each storage once: the path buffer's K/V among them) against the model,
+    in float32, bfloat16, and bfloat16 autocast over float32 weights (TRL's mixed precision). The constant
+    parts (autocast's weight copies, the head's transients) cancel in the per-token slope."""
     qwen3 = family == "qwen3"
     cls, config_cls = (Qwen3ForCausalLM, Qwen3Config) if qwen3 else (LlamaForCausalLM, LlamaConfig)
     config = config_cls(**SHAPES, tie_word_embeddings=True)
     torch.manual_seed(0)
-    model = cls(config).to(dtype).train()
-    length, scored = 96, 40
-    per = activation_bytes(config, dtype, entropy_grad=True)
+    autocast = dtype == "autocast"
+    dtype = torch.bfloat16 if autocast else dtype
+    model = cls(config).to(torch.float32 if autocast else dtype).train()
+    scored = 40
+    per = activation_bytes(config, dtype, entropy_grad=True, autocast=autocast)
     kv_values = config.num_hidden_layers * 2 * 2 * 64 * torch.empty((), dtype=dtype).element_size()
     for entropies in (False, True):
-        measured = _saved_bytes(model, length, scored, entropies)
-        head = per.scored if entropies else activation_bytes(config, dtype, entropy_grad=False).scored
-        predicted = length * (per.token + kv_values) + scored * head
+        head = per.scored if entropies else activation_bytes(config, dtype, False, autocast=autocast).scored
+        short, long = (_saved_bytes(model, n, scored, entropies, autocast) for n in (96, 192))
+        measured = long if not autocast else long - short  # (autocast: per token, its weight copies cancel)
+        predicted = (192 if not autocast else 96) * (per.token + kv_values) + (
+            0 if autocast else scored * head
+        )
         assert abs(predicted - measured) / measured < 0.10, (predicted, measured)
 
 
@@ -68,7 +77,12 @@ def test_token_budgets_priorities():
     assert budgets.subtree_tokens == budgets.batch_tokens
     # a path that does not fit: the memory is split 2:1, the block smaller than the path
     split = token_budgets(QWEN3_1_7B, bf16, 20e9, "cuda", path_tokens=8704)
-    assert split.block_size < 8704 and split.block_size == pytest.approx(2 * split.batch_tokens, rel=0.05)
+    per = activation_bytes(QWEN3_1_7B, bf16)
+    stack, call = (
+        split.block_size * (per.token + per.scored),
+        split.batch_tokens * (per.position + per.token + per.scored),
+    )  # (the path's K/V are held for the whole path, whatever the block)
+    assert split.block_size < 8704 and stack == pytest.approx(2 * call, rel=0.05)
     # more memory never gives smaller budgets; a CPU caps its calls where larger ones stop paying
     more = token_budgets(QWEN3_1_7B, bf16, 120e9, "cuda", path_tokens=8704)
     assert more.block_size == 8704 and more.batch_tokens > budgets.batch_tokens

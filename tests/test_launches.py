@@ -44,7 +44,8 @@ def test_a_grpo_group_walk_launches_at_most_1_5x_dense():
         return -logps.sum()
 
     with flash_on_cpu(counted_varlen_attn):
-        executor = TreeExecutor(model, memory_budget=60e9)
+        calls = 1 << 16  # (a GPU's cap on calls: DEVICE_COSTS["cuda"]; this CPU's is smaller)
+        executor = TreeExecutor(model, memory_budget=60e9, batch_tokens=calls, subtree_tokens=calls)
         executor.call_cost = CallCost.for_model(config, "cuda", per_segment=True)
         executor.backward(trie, loss, score_from=froms)  # (warm: first-call checks)
         with OpCounter() as walk:

@@ -51,14 +51,14 @@ class DeviceCosts:
     overlap: bool = False
 
 
-# Per device kind. CUDA: benchmarks/launch_model.py's assumptions (a 28-layer forward + backward launches
-# ~5.1k kernels, ~182 per layer, at 5 µs each; FLOPs at 40% of an H200's 989 TFLOP/s bf16 peak) until a GPU
-# measures them (benchmarks/gpu.sh). CPU: fitted on the project's 2-core machine by
+# Per device kind. CUDA: the host's cost of a decoder layer's forward + backward call as the first GPU run
+# measured it (one H200, 2026-12-04: benchmarks/call_costs.py, 4.48 ms whatever the call's size; the walk
+# times of docs/gpu-2026-12-04.json predicted within 20% by it, tests/test_memory_model.py; the launch
+# model's 182 kernels at 5 µs, 0.91 ms, had predicted 0.08-0.14x of the measured steps); FLOPs at 40% of an
+# H200's 989 TFLOP/s bf16 peak (not measured yet in bf16). CPU: fitted on the project's 2-core machine by
 # benchmarks/call_costs.py (docs/benchmarks.md, "Call sizes").
 DEVICE_COSTS = {
-    "cuda": DeviceCosts(
-        layer_call_s=182 * 5e-6, flop_rate=0.4 * 989e12, max_call_tokens=1 << 16, overlap=True
-    ),
+    "cuda": DeviceCosts(layer_call_s=4.5e-3, flop_rate=0.4 * 989e12, max_call_tokens=1 << 16, overlap=True),
     # fitted 2026-12-01 (SmolLM2-wide 8-layer Llama, fp32, 2 threads): 1.8 ms per layer-call, 1.6e11 FLOP/s
     "cpu": DeviceCosts(layer_call_s=1.8e-3, flop_rate=1.6e11, max_call_tokens=2048),
 }

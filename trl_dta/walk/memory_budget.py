@@ -94,8 +94,9 @@ def measure_free_memory(
     model: torch.nn.Module, device: torch.device, others: Sequence[torch.nn.Module] = ()
 ) -> tuple[float, float] | None:
     """``memory_budget="auto"``, measured: on CUDA, the device's free memory now (what the driver has free and
-    what PyTorch's allocator holds unused) and what the first optimizer step will still allocate (each
-    trainable parameter's gradient if it has none yet, and two Adam states), of ``model`` and of the
+    what PyTorch's allocator holds unused) and what the walk and the first optimizer step will still
+    allocate (each trainable parameter's gradient, also where it has one: a walk accumulates into a fresh one,
+    added to the one set aside after it; and two Adam states), of ``model`` and of the
     ``others`` trained in the same steps (a value model beside the policy: whichever walks first must leave
     room for both); None elsewhere (the device kind's fixed budgets apply)."""
     if device.type != "cuda":
@@ -107,7 +108,7 @@ def measure_free_memory(
         if p.requires_grad:
             # the full size (ZeRO-3 partitions hold ds_numel; FSDP2's DTensors count their global size)
             size = (getattr(p, "ds_numel", None) or p.numel()) * p.element_size()
-            later += 2 * size + (size if p.grad is None else 0)
+            later += 3 * size  # (a gradient held before the walk is set aside: a fresh one during it)
     return float(free), float(later)
 
 

@@ -119,6 +119,7 @@ class _Builder:
     packed: bool
     subtree_tokens: int = 0
     costs: CallCost | None = None
+    key_weight: float = 0.0  # a gathered key position in tokens of a call's budget (attention per segment)
     steps: list[Step] = field(default_factory=list)
     graph_tokens: int = 0  # tokens with a kept graph currently on the stack
     _sizes: dict[TrieNode, int] = field(default_factory=dict)  # subtree tokens per node (packed subtrees)
@@ -131,12 +132,16 @@ class _Builder:
     def _packs_subtree(self, node: TrieNode) -> bool:
         if not self.packed or self.subtree_tokens <= 0 or node.is_leaf:
             return False
-        if self.costs is None:
-            return self._sizes[node] <= min(self.subtree_tokens, self.batch_tokens, self.block_size)
-        if self._sizes[node] > min(self.subtree_tokens, self.batch_tokens):
+        cap = min(self.subtree_tokens, self.batch_tokens)
+        cap = min(cap, self.block_size) if self.costs is None else cap
+        if self._sizes[node] > cap:
             return False
         unit = self._subtree(node)
-        return self._unit_cost([unit]) < self.costs.walked([s.node for s in unit.segments])
+        if self.key_weight and self._tokens([unit]) > cap:  # (its segments' keys count too)
+            return False
+        return self.costs is None or self._unit_cost([unit]) < self.costs.walked(
+            [s.node for s in unit.segments]
+        )
 
     def _subtree(self, node: TrieNode) -> PackedSubtree:
         segments, parents, todo = [], [], [(node, -1)]
@@ -185,10 +190,12 @@ class _Builder:
             self.steps.append(PackedSubtree(tuple(segments), tuple(parents)))
         batch.clear()
 
-    def _tokens(self, batch: list[PackedSubtree]) -> int:
+    def _tokens(self, batch: list[PackedSubtree]) -> float:
         lengths = [u.segments[0].num_tokens for u in batch]
         if self.packed or any(len(u.segments) > 1 for u in batch):
-            return sum(s.num_tokens for u in batch for s in u.segments)
+            segments = [s for u in batch for s in u.segments]
+            keys = sum(s.end for s in segments) if len(segments) > 1 else 0  # (a segment's keys: its path)
+            return sum(s.num_tokens for s in segments) + self.key_weight * keys
         return len(lengths) * max(lengths)  # padded rows
 
     def _unit_cost(self, batch: list[PackedSubtree]) -> float:
@@ -249,19 +256,27 @@ def build_plan(
     packed: bool = False,
     subtree_tokens: int = 0,
     costs: CallCost | None = None,
+    key_weight: float = 0.0,
 ) -> list[Step]:
     """The list of steps that walks ``trie`` (see the module docstring for the rules); ``packed``: sibling
     leaves are forwarded packed into one row (their budget counts their tokens, not padded rows), and
     subtrees of at most ``subtree_tokens`` tokens are packed whole (0: never). ``costs``: decide by this cost
     model which calls to merge, within the budgets (None: fill each leaf batch up to its budget, and pack
-    every subtree that fits, on its own)."""
+    every subtree that fits, on its own). ``key_weight``: a packed row of several segments also counts the
+    keys its segments attend (each segment's path up to its end: what attention per segment gathers,
+    :mod:`trl_dta.walk.segment_attention`), this many tokens each (:meth:`~trl_dta.walk.budgets.
+    ActivationBytes.key_weight`)."""
     block_size = check_count("block_size", block_size, minimum=1)
     batch_tokens = check_count("batch_tokens", batch_tokens)
     subtree_tokens = check_count("subtree_tokens", subtree_tokens)
+
+    def build(price):
+        priced = costs if price is None else costs.priced(price)
+        return _build(trie, block_size, batch_tokens, packed, subtree_tokens, priced, key_weight)
+
     if costs is None or not costs.overlap:
-        return _build(trie, block_size, batch_tokens, packed, subtree_tokens, costs)
-    return _balanced(lambda price: _build(trie, block_size, batch_tokens, packed, subtree_tokens,
-                                          costs.priced(price)), costs, packed)  # fmt: skip
+        return build(None)
+    return _balanced(build, costs, packed)
 
 
 def _balanced(build, costs: CallCost, packed: bool) -> list[Step]:
@@ -295,8 +310,8 @@ def _balanced(build, costs: CallCost, packed: bool) -> list[Step]:
     return seen[best][2]
 
 
-def _build(trie, block_size, batch_tokens, packed, subtree_tokens, costs) -> list[Step]:
-    builder = _Builder(trie, block_size, batch_tokens, packed, subtree_tokens, costs)
+def _build(trie, block_size, batch_tokens, packed, subtree_tokens, costs, key_weight=0.0) -> list[Step]:
+    builder = _Builder(trie, block_size, batch_tokens, packed, subtree_tokens, costs, key_weight)
     visiting = [builder.children(trie.root)]  # the nodes being visited, root first
     while visiting:
         child = next(visiting[-1], None)
