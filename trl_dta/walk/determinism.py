@@ -18,6 +18,7 @@ twice and requires the same output.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -49,6 +50,13 @@ def _is_rate(key: str, value) -> bool:
     if key.startswith("_") or not STOCHASTIC_NAME.search(key) or isinstance(value, bool):
         return False
     return isinstance(value, int | float) and value > 0
+
+
+@functools.lru_cache(maxsize=1024)
+def _named_like_rates(keys: tuple[str, ...]) -> tuple[str, ...]:
+    """Of a module's attribute names, those named like a probability (a module class's names are looked at
+    once: the walk checks every module at every call)."""
+    return tuple(k for k in keys if not k.startswith("_") and STOCHASTIC_NAME.search(k))
 
 
 def _configs(model: nn.Module) -> list:
@@ -85,7 +93,10 @@ def stochastic_settings(model: nn.Module, as_training: bool = False) -> list[str
             continue
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             found.append(f"{name or 'model'} ({type(module).__name__}, p={module.p})")
-        found += [f"{name or 'model'}.{k} = {v}" for k, v in vars(module).items() if _is_rate(k, v)]
+        settings = vars(module)
+        for key in _named_like_rates(tuple(settings)):
+            if _is_rate(key, settings[key]):
+                found.append(f"{name or 'model'}.{key} = {settings[key]}")
     return found + config_rates(model, refused_only=True)
 
 
