@@ -1,23 +1,25 @@
 """The device-sized walk measured on a GPU (issue 27): what ``launch_model.py`` predicts, checked.
 
 For a model with Qwen3-1.7B's shapes (random weights, bf16) and the ``tau2-2x8-10k`` step (``--scale`` of
-its lengths), per attention kernel (sdpa: a dense additive mask; flex attention: a block-sparse
-``BlockMask``): the budgets ``memory_budget="auto"`` derives, the walk's calls, its time against TRL-style
-dense micro-batches (median of ``--repeats``), the walk's CUDA peak, whether it recomputes, and its
-gradients against sdpa's (the same plan's two kernels must agree to bf16 rounding). Then the host
-synchronisations of a no-grad and a gradient walk, counted by ``torch.cuda.set_sync_debug_mode("warn")``:
-none expected in the first, one in the second (``backward`` returns the summed loss as a float).
+its lengths), per attention path: the budgets ``memory_budget="auto"`` derives, the walk's calls, its time
+against TRL-style dense micro-batches (median of ``--repeats``), the walk's CUDA peak, whether it
+recomputes, and its gradients against the default path's (the same plan's paths must agree to bf16
+rounding). Then the host synchronisations of a no-grad and a gradient walk, counted by
+``torch.cuda.set_sync_debug_mode("warn")``: none expected in the first, one in the second (``backward``
+returns the summed loss as a float).
 
-On CUDA a third walk, sdpa with its packed rows split per segment (``launch_model.py``'s what-if: the
-executor splits them on a CPU only), planned and probed that way, measures what that split costs and saves
-on the device (the host's Python per sdpa call included); its gradients are checked against sdpa's too.
+The paths (``trl_dta/walk/segment_attention.py``): ``segments`` (the default: every call attends per segment,
+with torch's flash varlen kernel on CUDA), ``segments_sdpa`` (the same layout through sdpa, one call per
+segment: the kernel's fallback), ``mask`` (the model's own sdpa with the packed row's whole-row mask: the
+walk before attention per segment, and what models the walk's function cannot run get) and
+``flex_attention`` (a block-sparse ``BlockMask``, compiled).
 
 First, on CUDA, the flex path's exactness: fp32 gradients of random tries against the model's own dense
 ones (<= 1e-5, or the script fails; ``--parity_only`` stops there).
 
     python benchmarks/device_walk.py [--scale 0.125] [--layers 28] [--repeats 3] [--out OUT_DIR]
 
-On CPU (``--device cpu``, a smoke run) flex is skipped: it has no backward there.
+On CPU (``--device cpu``, a smoke run) only ``segments`` runs (flex has no backward there).
 """
 
 from __future__ import annotations
@@ -34,17 +36,24 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
-from launch_model import per_segment_attention  # noqa: E402
 from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
 from trl_dta.compare import relative_error  # noqa: E402
 from trl_dta.walk import peak as walk_peak  # noqa: E402
+from trl_dta.walk import segment_attention  # noqa: E402
 from trl_dta.walk.costs import CallCost  # noqa: E402
 from trl_dta.walk.plan import Push  # noqa: E402
 
 QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
+
+
+def walk_path(executor, path: str):
+    """Within: ``executor`` walks on ``path`` (module docstring)."""
+    if path == "mask":  # (the model's own attention with the row's mask, as if the probe had refused)
+        executor.lm.segment_attention = False
+    return segment_attention.use_flash(path != "segments_sdpa")
 
 
 def sync(device):
@@ -170,19 +179,18 @@ def main() -> None:
             seqs.append(prompt + c)
             froms.append(len(prompt) - 1)
     trie = PrefixTrie.from_sequences(seqs)
-    # (label, attention, packed rows split per segment): the split on a GPU is launch_model.py's what-if,
-    # measured (the executor splits on a CPU only); on a CPU the sdpa walk splits already
-    sides = [("sdpa", "sdpa", device.type == "cpu")]
+    # (path, attention implementation): the default first, the others compared with it
+    sides = [("segments", "sdpa")]
     if device.type == "cuda":
-        sides += [("sdpa_split_what_if", "sdpa", True), ("flex_attention", "flex_attention", False)]
+        sides += [("segments_sdpa", "sdpa"), ("mask", "sdpa"), ("flex_attention", "flex_attention")]
     report = {"shape": workload.name, "scale": args.scale, "layers": args.layers, "rows": len(seqs),
               "tokens": trie.num_tokens, "unique_tokens": trie.num_unique_tokens,
               "dedup_ratio": trie.dedup_ratio, "kernels": {}}  # fmt: skip
     grads = {}
-    for attn, kernel, split in sides:
-        model = build(args, kernel, device)
-        with per_segment_attention(split):  # (the probe, the plan and the walk: split or not)
-            executor = TreeExecutor(model)  # memory_budget="auto"
+    for path, attn in sides:
+        model = build(args, attn, device)
+        executor = TreeExecutor(model)  # memory_budget="auto"
+        with walk_path(executor, path):
             walk_times = []
             for _ in range(args.repeats + 1):  # the first: compilation (flex), allocator warm-up
                 model.zero_grad(set_to_none=True)
@@ -195,36 +203,40 @@ def main() -> None:
                 sync(device)
                 walk_times.append(time.perf_counter() - start)
             plan = executor.plan(trie, entropy_grad=False)
-        grads[attn] = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-        recomputed = sum(s.segment.num_tokens for s in plan if isinstance(s, Push) and not s.keep_graph)
-        if attn == "sdpa_split_what_if":  # (the same model and rows as sdpa's: its dense time)
-            dense = [report["kernels"]["sdpa"]["dense_s"]]
-        else:
-            dense = [dense_time(model, seqs, froms, args.micro_batches, device) for _ in range(args.repeats)]
-        row = {"budgets": executor.budgets.metrics(),
-               "calls": {"forward": executor.calls.forward - before[0],
-                         "backward": executor.calls.backward - before[1]},
-               "first_walk_s": walk_times[0], "walk_s": statistics.median(walk_times[1:]),
-               "dense_s": statistics.median(dense), "recompute_share": recomputed / trie.num_unique_tokens,
-               "peak_gib": walk_peak.max_memory_allocated() / 2**30 if device.type == "cuda"
-               else None}  # fmt: skip
-        row["speedup"] = row["dense_s"] / row["walk_s"]
-        report["kernels"][attn] = row
-        print(f"[{attn}] budgets {row['budgets']} calls {row['calls']} walk {row['walk_s']:.3f} s (first "
-              f"{row['first_walk_s']:.1f} s) dense {row['dense_s']:.3f} s -> {row['speedup']:.2f}x "
-              f"(dedup {trie.dedup_ratio:.2f}), recompute {row['recompute_share']:.0%}, "
-              f"peak {row['peak_gib']} GiB", flush=True)  # fmt: skip
-        if device.type == "cuda" and not split:  # host syncs in a walk: none in logprobs, one in backward
-            row["syncs"] = count_syncs(executor, model, trie, froms)
-            print(f"[{attn}] host syncs per walk (set_sync_debug_mode): {row['syncs']}", flush=True)
+            peak = walk_peak.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+            grads[path] = {
+                n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None
+            }
+            recomputed = sum(s.segment.num_tokens for s in plan if isinstance(s, Push) and not s.keep_graph)
+            if path == "segments" or attn != "sdpa":
+                dense = [
+                    dense_time(model, seqs, froms, args.micro_batches, device) for _ in range(args.repeats)
+                ]
+            else:  # (the same model and rows as the default path's: its dense time)
+                dense = [report["kernels"]["segments"]["dense_s"]]
+            row = {"budgets": executor.budgets.metrics(),
+                   "calls": {"forward": executor.calls.forward - before[0],
+                             "backward": executor.calls.backward - before[1]},
+                   "first_walk_s": walk_times[0], "walk_s": statistics.median(walk_times[1:]),
+                   "dense_s": statistics.median(dense),
+                   "recompute_share": recomputed / trie.num_unique_tokens, "peak_gib": peak}  # fmt: skip
+            row["speedup"] = row["dense_s"] / row["walk_s"]
+            report["kernels"][path] = row
+            print(f"[{path}] budgets {row['budgets']} calls {row['calls']} walk {row['walk_s']:.3f} s (first "
+                  f"{row['first_walk_s']:.1f} s) dense {row['dense_s']:.3f} s -> {row['speedup']:.2f}x "
+                  f"(dedup {trie.dedup_ratio:.2f}), recompute {row['recompute_share']:.0%}, "
+                  f"peak {row['peak_gib']} GiB", flush=True)  # fmt: skip
+            if device.type == "cuda" and path in ("segments", "flex_attention"):  # host syncs in a walk
+                row["syncs"] = count_syncs(executor, model, trie, froms)
+                print(f"[{path}] host syncs per walk (set_sync_debug_mode): {row['syncs']}", flush=True)
         del model, executor
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    for other in ("flex_attention", "sdpa_split_what_if"):
-        if other in grads:
-            err = max(relative_error(grads[other][n], g) for n, g in grads["sdpa"].items())
-            report[f"{other}_vs_sdpa_grad_error"] = err
-            print(f"{other} vs sdpa gradients (bf16, same weights): max relative error {err:.2e}")
+    for other in grads:
+        if other != "segments":
+            err = max(relative_error(grads[other][n], g) for n, g in grads["segments"].items())
+            report[f"{other}_vs_segments_grad_error"] = err
+            print(f"{other} vs segments gradients (bf16, same weights): max relative error {err:.2e}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "device_walk.json").write_text(json.dumps(report, indent=1, default=float))

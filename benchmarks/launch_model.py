@@ -10,17 +10,18 @@ runs with 1 and 2 layers (operators grow linearly in layers). Then, per optimize
 * launch floor = kernels x launch cost;
 * compute time = FLOPs / (peak x utilisation): dense's from ``trl_dta.walk.flops`` (x3 for forward +
   backward); the walk's from its plan, call by call: every token it forwards (those recomputed at pop
-  twice), the attention pairs its kernel computes (sdpa, which gets a mask on a cached past: each call's
-  whole rectangle; flex attention's block-sparse mask: the pairs the tree needs plus a tile per row), the
-  LM head where scored. Dense's attention counts only the causal pairs (a flash kernel's): a bound that
-  favours dense.
+  twice), the attention pairs its kernel computes (``segments``, the default: each segment against the keys
+  it sees, with torch's flash varlen kernel, the pairs the tree needs; ``mask``: the model's own sdpa with a
+  packed row's mask, each call's whole rectangle; ``flex``: flex attention's block-sparse mask, the pairs
+  needed plus a tile per row), the LM head where scored. Dense's attention counts only the causal pairs (a
+  flash kernel's): a bound that favours dense.
 
 The walk's budgets are those ``trl_dta.walk.budgets.token_budgets`` picks for Qwen3-1.7B in bf16 within
 ``--memory`` bytes (default: 60e9, and what an 80 GB and a 141 GB GPU leave after 16 bytes per parameter
 of weights, gradients and Adam states, 90% of the card), and the calls are merged by the CUDA cost model
-(``trl_dta.walk.costs``) for each attention kernel (``--kernels flex,sdpa``). ``--fixed`` adds the fixed
-CPU budgets (what a GPU ran before memory budgets). Where the launch floor approaches the compute time,
-the walk needs fewer, larger calls (or CUDA graphs).
+(``trl_dta.walk.costs``) for each attention path (``--kernels segments,mask,flex``). ``--fixed`` adds the
+fixed CPU budgets (what a GPU ran before memory budgets). Where the launch floor approaches the compute
+time, the walk needs fewer, larger calls (or CUDA graphs).
 
 Calibration (issue 41, ``--launch_factors``): where the device's true launch cost is ``f x`` the shipped one
 (0.5, 1, 2, 4), the walk's plan built with the shipped constants (uncalibrated) is set beside the plan built
@@ -29,12 +30,11 @@ shipped; tests/test_cost_model.py holds the fit to 5% on a simulated clock of th
 paper against dense on that device (both sides' launches at ``f x launch_us``). Beside them, a bound on any
 plan: the better of the fewest calls the budgets allow (every merge made) and one call more that computes
 no pair the tree does not need (each call launching as many kernels as those do). Where the calibrated plan
-falls short of 0.9 of the FLOP ideal and the bound too, no plan of that attention kernel reaches it. With
-sdpa, a what-if beside them: the walk planned with its packed rows split per segment where that pays (as the
-executor walks on a CPU, not on a GPU), its kernels counted with the split and its pairs those it computes.
+falls short of 0.9 of the FLOP ideal and the bound too, no plan of that attention path reaches it.
 
-The counting walks run on this CPU, where the executor splits packed rows per segment; they keep each row
-under one sdpa call (``per_segment_attention(False)``), as a GPU walk does, except in the what-if.
+The counting walks run on this CPU as on CUDA: ``segments`` attends through
+``trl_dta.testing.varlen.counted_varlen_attn`` (one operator each way, as the flash kernel), ``mask`` with the
+walk's attention per segment turned off.
 
     python benchmarks/launch_model.py [--shapes tau2-2x8-10k] [--scales 1,0.125] [--launch_us 5]
                                       [--tflops 989] [--mfu 0.4] [--launch_factors 0.5,1,2,4] [--out OUT_DIR]
@@ -43,49 +43,30 @@ under one sdpa call (``per_segment_attention(False)``), as a GPU walk does, exce
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
+from trl_dta.testing.launches import OpCounter  # noqa: E402
+from trl_dta.testing.varlen import counted_varlen_attn, flash_on_cpu  # noqa: E402
 from trl_dta.walk.budgets import FIXED, token_budgets  # noqa: E402
-from trl_dta.walk.costs import CallCost, needed_pairs, per_segment_pays  # noqa: E402
+from trl_dta.walk.costs import CallCost, needed_pairs  # noqa: E402
 from trl_dta.walk.flops import flops as count_flops  # noqa: E402
 from trl_dta.walk.flops import per_token_costs  # noqa: E402
-from trl_dta.walk.model import CausalLM  # noqa: E402
 from trl_dta.walk.plan import Push  # noqa: E402
 from trl_dta.walk.scoring import scored_from  # noqa: E402
 
 QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, num_hidden_layers=28, vocab_size=151936,
                   tie_word_embeddings=True)  # fmt: skip
-
-
-# operators that launch no kernel: views and allocations without initialisation
-_NO_KERNEL = {"detach", "alias", "empty", "empty_strided", "empty_like", "lift_fresh", "new_empty",
-              "new_empty_strided", "is_same_size", "sym_size", "sym_stride", "sym_numel"}  # fmt: skip
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the ATen operators that would launch a GPU kernel (views and bare allocations excluded)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view and func.overloadpacket.__name__ not in _NO_KERNEL:
-            self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 def small(layers: int) -> Qwen3ForCausalLM:
@@ -97,30 +78,16 @@ def small(layers: int) -> Qwen3ForCausalLM:
     return Qwen3ForCausalLM(cfg).train()
 
 
-@contextlib.contextmanager
-def per_segment_attention(enabled: bool):
-    """Whether sdpa walks split their packed rows per segment (:mod:`trl_dta.walk.segment_attention`), on any
-    device, for the time of the block. The executor splits them on a CPU only (``CausalLM.per_segment``):
-    ``False`` counts here, on a CPU, the kernels of a GPU walk (a row under one sdpa call); ``True`` walks a
-    GPU as the CPU does (the what-if, and ``device_walk.py``'s measure of it)."""
-    original = CausalLM.per_segment
-    CausalLM.per_segment = property(lambda self: enabled and self._sdpa)
-    try:
-        yield
-    finally:
-        CausalLM.per_segment = original
-
-
-def walk_ops(layers: int, seqs, froms, budgets, call_cost, split: bool = False) -> tuple[int, dict, list]:
+def walk_ops(layers: int, seqs, froms, budgets, call_cost, kernel: str) -> tuple[int, dict, list]:
     """Kernels of one walk with ``budgets`` and ``call_cost`` (the plan of the full-size model), its calls
-    and its plan. ``split``: packed rows attend per segment where that pays, as on this CPU (a what-if on a
-    GPU, where the walk does not)."""
-    model = small(layers)
-    executor = TreeExecutor(model, **vars(budgets))
-    executor.call_cost = call_cost
-    trie = PrefixTrie.from_sequences(seqs)
-    with per_segment_attention(split):
-        executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)  # warm: probe, checks
+    and its plan, on the attention path ``kernel`` (module docstring)."""
+    model = small(layers)  # (flex has no CPU backward: its walk is counted as the mask's, one kernel a layer)
+    with flash_on_cpu(counted_varlen_attn):
+        executor = TreeExecutor(model, **vars(budgets))
+        executor.lm.segment_attention = kernel == "segments"
+        executor.call_cost = call_cost
+        trie = PrefixTrie.from_sequences(seqs)
+        executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)  # warm: checks
         before = (executor.calls.forward, executor.calls.backward, executor.calls.tokens)
         with OpCounter() as counter:
             executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)
@@ -129,10 +96,9 @@ def walk_ops(layers: int, seqs, froms, budgets, call_cost, split: bool = False) 
     return counter.ops, calls, executor.plan(trie)
 
 
-def plan_flops(lm, trie, froms, plan, block_sparse: bool, split: bool = False) -> dict:
-    """Forward + backward FLOPs of a walk's plan (module docstring), and the tokens it recomputes.
-    ``split``: a packed row split per segment where that pays (``walk_ops``) computes, per segment, its
-    queries against the keys it sees (the past, its ancestors, its own square)."""
+def plan_flops(lm, trie, froms, plan, call_cost: CallCost) -> dict:
+    """Forward + backward FLOPs of a walk's plan (module docstring), and the tokens it recomputes; its
+    attention pairs as ``call_cost`` counts them (the plan's own rule, ``CallCost.row_pairs``)."""
     body, attention, head = per_token_costs(lm)
     _, node_from = scored_from(trie, froms)
     total, recomputed = 0.0, 0
@@ -144,13 +110,7 @@ def plan_flops(lm, trie, froms, plan, block_sparse: bool, split: bool = False) -
         else:
             continue
         tokens = sum(s.num_tokens for s in segments)
-        past = segments[0].start
-        # sdpa takes a mask on a cached past (its kernel computes the whole rectangle); flex the BlockMask's
-        # tiles, about the pairs needed plus a tile per row: the plan's own count (CallCost.row_pairs)
-        needed = needed_pairs(segments)
-        pairs = CallCost(0.0, 0.0, 0.0, block_sparse=block_sparse).row_pairs(past, tokens, needed)
-        if split and len(segments) > 1 and per_segment_pays(past, tokens, needed):
-            pairs = sum(s.num_tokens * (s.start + s.num_tokens) for s in segments)  # (within the rectangle)
+        pairs = call_cost.row_pairs(segments[0].start, tokens, needed_pairs(segments))
         cost = body * tokens + attention * pairs
         total += 3 * cost + (cost if recompute else 0)
         recomputed += tokens if recompute else 0
@@ -227,11 +187,14 @@ def run_shape(args, name: str, scale: float) -> dict:
             )
         )
         for kernel in args.kernels:
-            sparse = kernel == "flex"
-            cost = None if memory is None else CallCost.for_model(big.config, "cuda", block_sparse=sparse)
-            (w1, calls, plan), (w2, _, _) = (walk_ops(k, seqs, froms, budgets, cost) for k in (1, 2))
+            sparse, segments = kernel == "flex", kernel == "segments"
+            cost = CallCost.for_model(big.config, "cuda", block_sparse=sparse, per_segment=segments)
+            planning = None if memory is None else cost  # (the fixed budgets: no cost model)
+            (w1, calls, plan), (w2, _, _) = (
+                walk_ops(k, seqs, froms, budgets, planning, kernel) for k in (1, 2)
+            )
             kernels = w1 + (w2 - w1) * (L - 1)
-            planned = plan_flops(_LM, trie, froms, plan, sparse)
+            planned = plan_flops(_LM, trie, froms, plan, cost)
             walk = {"memory": label, "memory_bytes": memory, "kernel": kernel, "budgets": vars(budgets),
                     "calls": calls, "kernels": kernels, "kernels_vs_dense": kernels / dense_kernels,
                     "launch_s": kernels * args.launch_us * 1e-6, "compute_s": planned["flops"] / rate,
@@ -249,12 +212,12 @@ def run_shape(args, name: str, scale: float) -> dict:
                   f"({walk['of_flop_ideal']:.2f} of the FLOP ideal {report['flop_ratio']:.2f}; dedup "
                   f"{trie.dedup_ratio:.2f})", flush=True)  # fmt: skip
             if memory is not None and args.launch_factors and label == configs[0][0]:  # (the first budget)
-                walk["calibration"] = calibration(args, (_LM, trie, seqs, froms), budgets, cost, sparse,
+                walk["calibration"] = calibration(args, (_LM, trie, seqs, froms), budgets, cost, kernel,
                                                   kernels, planned, dense, report["flop_ratio"])  # fmt: skip
     return report
 
 
-def calibration(args, step, budgets, shipped: CallCost, sparse: bool, kernels: int, planned: dict,
+def calibration(args, step, budgets, shipped: CallCost, kernel: str, kernels: int, planned: dict,
                 dense: dict, flop_ratio: float) -> list[dict]:  # fmt: skip
     """Per true launch factor ``f`` (module docstring): the uncalibrated plan (built with ``shipped``, its
     ``kernels`` and ``planned`` FLOPs) and the calibrated one (built with ``f x`` the fixed cost), each as a
@@ -262,9 +225,9 @@ def calibration(args, step, budgets, shipped: CallCost, sparse: bool, kernels: i
     lm, trie, seqs, froms = step
     L, rate = QWEN3_1_7B["num_hidden_layers"], args.tflops * 1e12 * args.mfu
 
-    def measured(call_cost: CallCost, split: bool = False) -> tuple[int, dict, float]:
-        (k1, calls, plan), (k2, _, _) = (walk_ops(n, seqs, froms, budgets, call_cost, split) for n in (1, 2))
-        return k1 + (k2 - k1) * (L - 1), calls, plan_flops(lm, trie, froms, plan, sparse, split)["flops"]
+    def measured(call_cost: CallCost) -> tuple[int, dict, float]:
+        (k1, calls, plan), (k2, _, _) = (walk_ops(n, seqs, froms, budgets, call_cost, kernel) for n in (1, 2))
+        return k1 + (k2 - k1) * (L - 1), calls, plan_flops(lm, trie, froms, plan, call_cost)["flops"]
 
     # the bound: the fewest calls the budgets allow (every merge priced as free), and one call more at the
     # FLOP ideal's compute (no pair the tree does not need), each call launching as many kernels as these do
@@ -276,10 +239,6 @@ def calibration(args, step, budgets, shipped: CallCost, sparse: bool, kernels: i
         dense_s = max(dense["kernels"] * launch_us * 1e-6, dense["compute_s"])
         n, calls, flops = measured(replace(shipped, fixed=f * shipped.fixed))
         sides = {"uncalibrated": (kernels, planned["flops"]), "calibrated": (n, flops)}
-        if not sparse:  # what-if: sdpa split per segment on the GPU too, planned knowing it (not walked so)
-            knowing = replace(shipped, fixed=f * shipped.fixed, per_segment=True)
-            split_n, split_calls, split_flops = measured(knowing, split=True)
-            sides["split_what_if"] = (split_n, split_flops)
         row = {"launch_factor": f, "calibrated_calls": calls}
         for side, (n, flops) in sides.items():
             walk_s = max(n * launch_us * 1e-6, flops / rate)
@@ -292,11 +251,9 @@ def calibration(args, step, budgets, shipped: CallCost, sparse: bool, kernels: i
                         "walk_s": bound_s, "of_flop_ideal": dense_s / bound_s / flop_ratio}  # fmt: skip
         rows.append(row)
         uncalibrated, calibrated = row["uncalibrated"]["of_flop_ideal"], row["calibrated"]["of_flop_ideal"]
-        split = (f", split per segment (what-if) {row['split_what_if']['of_flop_ideal']:.2f} "
-                 f"({split_calls['forward']} forwards)") if not sparse else ""  # fmt: skip
         print(f"  true launch {f:g}x: uncalibrated plan {uncalibrated:.2f} of the FLOP ideal, calibrated "
-              f"{calibrated:.2f} ({calls['forward']} forwards), bound {row['bound']['of_flop_ideal']:.2f}"
-              f"{split}", flush=True)  # fmt: skip
+              f"{calibrated:.2f} ({calls['forward']} forwards), bound {row['bound']['of_flop_ideal']:.2f}",
+              flush=True)  # fmt: skip
     return rows
 
 
@@ -308,7 +265,7 @@ def main() -> None:
         "--memory", default="60e9", help="activation memory budgets in bytes, comma-separated"
     )
     parser.add_argument("--cards", default="80,141", help="GPU memory in GB, comma-separated ('' for none)")
-    parser.add_argument("--kernels", default="flex,sdpa", help="attention kernels: flex (block-sparse), sdpa")
+    parser.add_argument("--kernels", default="segments,mask,flex", help="attention paths (module docstring)")
     parser.add_argument("--fixed", action="store_true", help="also the fixed CPU budgets")
     parser.add_argument("--micro_batches", type=int, default=4, help="TRL's gradient accumulation steps")
     parser.add_argument("--launch_us", type=float, default=5.0, help="host cost per kernel launch, µs")
