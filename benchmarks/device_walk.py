@@ -40,8 +40,8 @@ from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
 from trl_dta.compare import relative_error  # noqa: E402
+from trl_dta.walk import flash  # noqa: E402
 from trl_dta.walk import peak as walk_peak  # noqa: E402
-from trl_dta.walk import segment_attention  # noqa: E402
 from trl_dta.walk.costs import CallCost  # noqa: E402
 from trl_dta.walk.plan import Push  # noqa: E402
 
@@ -53,7 +53,7 @@ def walk_path(executor, path: str):
     """Within: ``executor`` walks on ``path`` (module docstring)."""
     if path == "mask":  # (the model's own attention with the row's mask, as if the probe had refused)
         executor.lm.segment_attention = False
-    return segment_attention.use_flash(path != "segments_sdpa")
+    return flash.use_flash(path != "segments_sdpa")
 
 
 def sync(device):

@@ -26,6 +26,7 @@ from trl_dta.testing.varlen import (
     reference_varlen_attn,
     reference_varlen_attn_gqa,
 )
+from trl_dta.walk import flash as flash_kernel
 from trl_dta.walk import segment_attention as sa
 from trl_dta.walk.costs import CallCost
 from trl_dta.walk.inputs import PackedRow
@@ -58,7 +59,10 @@ def attend(kernel, layout, q, k, v):
     """The registered attention function on ``layout`` with ``kernel``."""
     layout.split = kernel != "sdpa row"
     flash = {"flash 2.11": reference_varlen_attn, "flash 2.12": reference_varlen_attn_gqa}.get(kernel)
-    with flash_on_cpu(flash) if flash else sa.use_flash(False), sa.attending(make_model().config, layout):
+    with (
+        flash_on_cpu(flash) if flash else flash_kernel.use_flash(False),
+        sa.attending(make_model().config, layout),
+    ):
         out, weights = sa.attention(None, q, k, v, None, scaling=0.3)
     assert weights is None and layout.calls == 1
     return out  # [1, T, H, D]
@@ -197,16 +201,16 @@ def test_a_flash_kernel_that_differs_is_not_used(caplog):
             query, key[:n], value[:n], cu_seq_q, cu_seq_q, max_q, max_q, scale=scale, window_size=window_size
         )
 
-    saved = sa.varlen_attn
-    sa.varlen_attn = reference_varlen_attn
+    saved = flash_kernel.varlen_attn
+    flash_kernel.varlen_attn = reference_varlen_attn
     try:
-        assert sa._flash_is_exact(torch.device("cpu"), torch.bfloat16, 4, 2, 8, 0.3)
-        sa.varlen_attn = top_left_causal
+        assert flash_kernel._check(torch.device("cpu"), torch.bfloat16, 4, 2, 8, 0.3)
+        flash_kernel.varlen_attn = top_left_causal
         with caplog.at_level(logging.WARNING):
-            assert not sa._flash_is_exact(torch.device("cpu"), torch.bfloat16, 4, 2, 8, 0.3)
+            assert not flash_kernel._check(torch.device("cpu"), torch.bfloat16, 4, 2, 8, 0.3)
         assert "sdpa instead" in caplog.text
     finally:
-        sa.varlen_attn = saved
+        flash_kernel.varlen_attn = saved
 
 
 def test_the_attention_function_refuses_what_it_does_not_apply():
@@ -246,7 +250,7 @@ def test_under_autocast_over_float32_weights_the_flash_path_attends_in_autocasts
     trie = PrefixTrie.from_sequences(seqs)
     grads, flash_calls = [], []
     for flash in (True, False):
-        with flash_on_cpu(kernel) if flash else sa.use_flash(False):
+        with flash_on_cpu(kernel) if flash else flash_kernel.use_flash(False):
             executor = TreeExecutor(model, block_size=1000)
             seen.clear()  # (the probe runs in float32, autocast off)
             model.zero_grad(set_to_none=True)

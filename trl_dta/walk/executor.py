@@ -42,6 +42,7 @@ from torch import nn
 
 from ..trie import PrefixTrie
 from . import deepspeed as zero
+from . import flash
 from .budgets import Budgets, TokenBudgets
 from .checks import check_count
 from .cost_model import CostModel
@@ -198,8 +199,8 @@ class TreeExecutor:
             )
             # (exploring, rows are priced at their rectangle: split per segment a merge would cost nothing)
             costs = replace(costs, fixed=0.0, per_segment=False) if explore else costs
-        key_weight = 0.0  # (memory budgets: a call's gathered keys count against it)
-        if self.budgets.memory is not None and self.lm.segment_attention:
+        key_weight = 0.0  # (memory budgets: a call's gathered keys count against it, where they are kept)
+        if self.budgets.memory is not None and self.lm.segment_attention and not flash.expected(self.lm):
             key_weight = self.budgets.key_weight(self.lm, entropy_grad)
         return build_plan(
             trie, budgets.block_size, budgets.batch_tokens, self.pack_leaves, subtree, costs, key_weight

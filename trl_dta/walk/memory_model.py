@@ -11,8 +11,9 @@ Memory model, per optimizer step's walk (bytes)::
 ``path`` is the trie's longest path above a leaf (unknown: ``block``). ``scored`` counts the LM head's saved
 log-softmax (and the entropy's, when it has a gradient) for every token, as if every token were scored: an
 upper bound for prompts the loss does not read. A call that attends per segment
-(:mod:`trl_dta.walk.segment_attention`) keeps a copy of every segment's keys (its path's K/V up to its end)
-for the backward: the plan counts them against the call's budget (``key_weight``). Under autocast over
+(:mod:`trl_dta.walk.segment_attention`) through sdpa keeps a copy of every segment's keys (its path's K/V up
+to its end) for the backward: the plan counts them against the call's budget (``key_weight``); the flash
+kernel's path (CUDA) recomputes them in the backward instead. Under autocast over
 float32 weights (TRL's bf16 mixed precision), the residual stream stays float32 and each linear layer keeps
 its own low-precision copy of its input (``autocast``: 11 bytes per hidden unit and layer more, and a float32
 K, measured on CPU with ``SavedTensorMeter``), and autocast keeps a low-precision copy of every trainable
@@ -205,10 +206,11 @@ def plan_peak(
     (and a push recomputed at pop, its tokens again) on top of the stack. ``scored_from``: per trie node, its
     first scored log-prob index (``trl_dta.walk.scoring.scored_from``'s second value; None: every token).
     ``attention``: what a call's attention keeps, per attention path of :mod:`trl_dta.walk.segment_attention`
-    (``"segments"``: a packed row's gathered keys, :attr:`ActivationBytes.key` per position; ``"mask"``: the
-    model's own sdpa with a mask, which repeats the K/V heads for grouped-query attention, ``2 q`` values
-    per position and layer, and keeps the mask; ``"flex"``: nothing more). Autocast's weight copies are the
-    caller's (:func:`autocast_copies`)."""
+    (``"segments"``: the sdpa path, a packed row's gathered keys, :attr:`ActivationBytes.key` per position;
+    ``"flash"``: the flash kernel, whose gathered keys are recomputed in the backward, nothing more;
+    ``"mask"``: the model's own sdpa with a mask, which repeats the K/V heads for grouped-query attention,
+    ``2 q`` values per position and layer, and keeps the mask; ``"flex"``: nothing more). Autocast's weight
+    copies are the caller's (:func:`autocast_copies`)."""
     from .steps import capacity  # (steps imports the LM head's row limit from here)
 
     layers, e = config.num_hidden_layers, per.key / max(1, 2 * config.num_hidden_layers * _kv(config))

@@ -9,18 +9,20 @@ key index a variable-length kernel takes. No mask, no rectangle: only the pairs 
 
 The kernels, chosen per call (:func:`attention`):
 
-* on CUDA in bf16/fp16: torch's flash kernel for variable-length batches
-  (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.11), one kernel per layer forward and one backward.
-  The keys of every segment are gathered into one tensor (``index_select``): segments that share a past each
-  get a copy of its K/V, kept for the backward (:func:`~trl_dta.walk.budgets.activation_bytes` counts them).
-  A call with one segment (a push) reads the path's buffer in place. Checked once per device, dtype and
-  head shape against the sdpa path below on a small random call; where it fails or differs, that path
-  runs instead and a warning says so;
-* elsewhere (a CPU, float32/64, a head size the flash kernel refuses): the same layout through
-  ``scaled_dot_product_attention``, once per segment; or, for a packed row whose segments see most of its
-  rectangle (:func:`~trl_dta.walk.costs.per_segment_pays`), once for the row with its tree-shaped mask
-  (copying every segment's keys then costs about what the skipped pairs save). CPU tests check this path
-  exactly (fp64 against dense), and the flash kernel is checked against it.
+* on CUDA in bf16/fp16: torch's flash kernel for variable-length batches (:mod:`trl_dta.walk.flash`), one
+  kernel per layer forward and one backward, on every segment's keys gathered into one tensor
+  (``index_select``: segments that share a past each get a copy, recomputed in the backward rather than
+  kept); a call with one segment (a push) reads the path's buffer in place;
+* elsewhere (a CPU, float32/64, a head size the flash kernel refuses, a kernel that failed its check): the
+  same layout through ``scaled_dot_product_attention``, once per segment; or, for a packed row whose segments
+  see most of its rectangle (:func:`~trl_dta.walk.costs.per_segment_pays`), once for the row with its
+  tree-shaped mask (copying every segment's keys then costs about what the skipped pairs save). Here the
+  gathered keys are kept for the backward (attention is a larger share of a CPU's time;
+  :func:`~trl_dta.walk.memory_model.activation_bytes` counts them). CPU tests check this path exactly (fp64
+  against dense), and the flash kernel is checked against it.
+
+Under autocast both attend in autocast's dtype, as sdpa does there (under bf16 mixed precision over float32
+weights, queries and keys leave their norms and RoPE in float32).
 
 The hook: :func:`attention` is registered in transformers' ``AttentionInterface`` as :data:`ATTENTION`
 (as TRL's asynchronous trainer hooks in its tree attention), so every decoder whose attention layers call
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import inspect
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,8 +46,9 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from . import flash
 from .costs import per_segment_pays
-from .errors import MEMORY_ERRORS, UnsupportedModelError
+from .errors import UnsupportedModelError
 
 if TYPE_CHECKING:
     from .inputs import PackedRow
@@ -55,11 +57,6 @@ logger = logging.getLogger(__name__)
 
 ATTENTION = "trl_dta_segments"  # the name in transformers' AttentionInterface
 _ACTIVE: contextvars.ContextVar[SegmentLayout | None] = contextvars.ContextVar("trl_dta_layout", default=None)
-
-try:  # torch >= 2.10 (the causal switch: ``is_causal`` in 2.10, ``window_size=(-1, 0)`` from 2.11)
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover - torch < 2.10
-    varlen_attn = None
 
 
 def key_ranges(lengths: list[int], parents: tuple[int, ...], start: int) -> list[list[tuple[int, int]]]:
@@ -140,6 +137,13 @@ class SegmentLayout:
             split,
         )
 
+    def gather(self, k, v):
+        """Every segment's keys and values, one after another [sum(k_lens), Hkv, D], from the call's
+        [start + tokens, Hkv, D] (a lone segment's: as they are)."""
+        if self.key_index is None:
+            return k, v
+        return k.index_select(0, self.key_index), v.index_select(0, self.key_index)
+
     def check_used(self, layers: int, name: str) -> None:
         """Refuse a call whose model did not attend through :func:`attention` once per attention layer."""
         if self.calls != layers:
@@ -201,10 +205,10 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     q = query.squeeze(0).transpose(0, 1)  # [T, H, D] (views: no copy, none in backward)
     k, v = key.squeeze(0).transpose(0, 1), value.squeeze(0).transpose(0, 1)  # [S, Hkv, D]
     dtype = _autocast_dtype(q) or q.dtype  # (as sdpa under autocast: attention in autocast's dtype)
-    if _flash_usable(q, k, dtype, scale):
-        out = _flash(*_cast(dtype, q, *_gathered(k, v, layout)), layout, scale)
+    if flash.usable(q, k, dtype, scale):
+        out = flash.attend(q, k, v, layout, scale, dtype)
     elif layout.split:
-        out = _sdpa_per_segment(*_cast(dtype, q, *_gathered(k, v, layout)), layout, scale)
+        out = _sdpa_per_segment(*_cast(dtype, q, *layout.gather(k, v)), layout, scale)
     else:
         out = _sdpa_row(*_cast(dtype, query, key, value), layout, scale)
     return out.unsqueeze(0), None
@@ -221,14 +225,6 @@ def _autocast_dtype(q) -> torch.dtype | None:
     if not torch.is_autocast_enabled(q.device.type):
         return None
     return torch.get_autocast_dtype(q.device.type)
-
-
-def _gathered(k, v, layout: SegmentLayout):
-    """Every segment's keys and values, one after another [sum(k_lens), Hkv, D] (the buffer as it is for a
-    lone segment)."""
-    if layout.key_index is None:
-        return k, v
-    return k.index_select(0, layout.key_index), v.index_select(0, layout.key_index)
 
 
 # ---------------------------------------------------------------------- the sdpa path
@@ -258,116 +254,6 @@ def _sdpa_row(query, key, value, layout: SegmentLayout, scale: float) -> torch.T
         query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
     )  # [1, H, T, D]
     return out[0].transpose(0, 1)
-
-
-# ---------------------------------------------------------------------- torch's flash kernel (CUDA)
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
-_VERDICTS: dict[tuple, bool] = {}  # (device, dtype, heads, kv heads, head dim): the kernel checked exact
-_CHECK_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
-
-
-def _flash_kwargs(gqa: bool) -> dict | None:
-    """The keyword arguments of this torch's ``varlen_attn`` for causal attention with a scale; None where it
-    has no scale or causal switch (torch 2.10: not used)."""
-    if varlen_attn is None:
-        return None
-    params = inspect.signature(varlen_attn).parameters
-    if "scale" not in params or "window_size" not in params:
-        return None
-    kwargs = {"window_size": (-1, 0)}  # causal, aligned bottom-right
-    if "enable_gqa" in params:  # (torch >= 2.12; 2.11's kernel takes fewer K/V heads as they are)
-        kwargs["enable_gqa"] = gqa
-    return kwargs
-
-
-def _flash(q, k, v, layout: SegmentLayout, scale: float) -> torch.Tensor:
-    kwargs = _flash_kwargs(q.shape[1] != k.shape[1])
-    max_q, max_k = max(layout.q_lens), max(layout.k_lens)
-    return varlen_attn(q, k, v, layout.q_cu, layout.k_cu, max_q, max_k, scale=scale, **kwargs)
-
-
-def _flash_usable(q, k, dtype, scale: float) -> bool:
-    """Whether torch's flash kernel runs this call (attention in ``dtype``): CUDA, bf16/fp16, and checked
-    exact once for its shapes."""
-    if not q.is_cuda or dtype not in _FLASH_DTYPES or not enabled():
-        return False
-    key = (q.device, dtype, q.shape[1], k.shape[1], q.shape[-1])
-    if key not in _VERDICTS:
-        _VERDICTS[key] = _flash_is_exact(q.device, dtype, q.shape[1], k.shape[1], q.shape[-1], scale)
-    return _VERDICTS[key]
-
-
-def _flash_is_exact(device, dtype, heads: int, kv_heads: int, head_dim: int, scale: float) -> bool:
-    """Run the flash kernel on a small call of two segments (one on a past) in the path buffer's strides and
-    compare its outputs and gradients with the sdpa path's in float32; warn and return False where it fails or
-    differs."""
-    if _flash_kwargs(heads != kv_heads) is None:
-        return False
-    try:
-        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-            gen = torch.Generator(device=device).manual_seed(0)
-            layout = SegmentLayout.build([5, 3], (-1, 0), 4, device)
-            tokens = 4 + layout.tokens
-            q = torch.randn(1, heads, layout.tokens, head_dim, device=device, generator=gen)
-            buffer = torch.randn(2, 1, kv_heads, tokens + 3, head_dim, device=device, generator=gen)
-            grad = torch.randn(layout.tokens, heads, head_dim, device=device, generator=gen)
-            outs = []
-            for run, cast in ((_flash, dtype), (_sdpa_per_segment, torch.float32)):
-                qq, kv = (t.detach().to(cast).requires_grad_() for t in (q, buffer))
-                k, v = (b[0, :, :tokens].transpose(0, 1) for b in kv)  # (strided as the path's K/V)
-                out = run(qq[0].transpose(0, 1), *_gathered(k, v, layout), layout, scale)
-                out.float().backward(grad)
-                outs.append([out.float(), qq.grad.float(), kv.grad.float()])
-            err = max(
-                ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
-                for a, b in zip(*outs, strict=True)
-            )
-    except MEMORY_ERRORS:
-        raise
-    except Exception as e:  # noqa: BLE001 - a kernel that refuses these shapes or this device
-        logger.warning(
-            "torch's flash varlen kernel fails for %s %s heads %d/%d x %d (%r): the walk attends "
-            "per segment with sdpa instead.",
-            device,
-            dtype,
-            heads,
-            kv_heads,
-            head_dim,
-            e,
-        )
-        return False
-    if not err <= _CHECK_TOLERANCE[dtype]:
-        logger.warning(
-            "torch's flash varlen kernel differs from sdpa by %.2e for %s %s heads %d/%d x %d: the "
-            "walk attends per segment with sdpa instead.",
-            err,
-            device,
-            dtype,
-            heads,
-            kv_heads,
-            head_dim,
-        )
-        return False
-    return True
-
-
-_FLASH = True  # calls on CUDA may use torch's flash kernel (use_flash)
-
-
-def enabled() -> bool:
-    """Whether calls on CUDA may use torch's flash kernel (:func:`use_flash`)."""
-    return _FLASH
-
-
-@contextlib.contextmanager
-def use_flash(on: bool):
-    """Within: calls on CUDA use torch's flash kernel (``on``) or the sdpa path (benchmarks compare them)."""
-    global _FLASH
-    previous, _FLASH = _FLASH, on
-    try:
-        yield
-    finally:
-        _FLASH = previous
 
 
 def register() -> None:
