@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -59,6 +60,10 @@ def main() -> int:
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if (
+        device.type == "cuda" and device.index is None
+    ):  # set_device wants an index (torch 2.11 refuses "cuda")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -2,17 +2,21 @@
 
     python benchmarks/peers.py                 # CPU, full: tables, JSON, plots under docs/ (~25 min, 2 cores)
     python benchmarks/peers.py --quick         # CI-sized smoke run (tiny model and shapes, ~1 min)
-    python benchmarks/peers.py --profile gpu   # what benchmarks/gpu.sh runs on a CUDA machine (bf16)
+    python benchmarks/peers.py --profile gpu   # the GPU shapes, one process (bf16; an OOM starves the rest)
+    python benchmarks/peers.py --profile gpu --plan --micro_batch 2   # shapes; each method's peak vs the card
     python benchmarks/peers.py --parity        # fp32 gradient parity of every method on the device, no timing
+
+benchmarks/gpu.sh runs ``--plan`` and ``--parity``; its timed table is benchmarks/gpu_table.py, a process per
+(configuration, method), so that an out-of-memory error stays one row.
     python benchmarks/peers.py --replot docs/peers.json --plots docs   # redraw the plots of a result file
 
 Methods (each accumulates into ``.grad`` the gradient of the same loss: on-policy GRPO surrogate per
 rollout, ``-advantage x mean log-prob of its completion tokens / rows``, log-softmax in fp32):
 
 * ``dense``       TRL-style padded batch: one GRPO group per micro-batch (per_device_train_batch_size =
-                  num_generations), prompt + right-padded completions, ``logits_to_keep`` = completion width
-                  + 1 (LM head on completion positions only), as in TRL's
-                  ``GRPOTrainer._get_per_token_logps_and_entropies``.
+                  num_generations), or ``--micro_batch`` rows, prompts left-padded + right-padded
+                  completions, ``logits_to_keep`` = completion width + 1 (LM head on completion positions
+                  only), as in TRL's ``GRPOTrainer._get_per_token_logps_and_entropies``.
 * ``dense_ckpt``  the same with gradient checkpointing (non-reentrant), TRL's default.
 * ``pg``          PrefixGrouper (PyPI ``prefix-grouper``), integrated as its README describes: one packed row
                   per group (prompt, c1..cG) from ``PrefixGrouper.from_ungrouped_masks`` + ``concat_input``,
@@ -30,6 +34,9 @@ rollout, ``-advantage x mean log-prob of its completion tokens / rows``, log-sof
                   unique tokens of the step's trie in one row, in DFS order, RoPE position = depth, and a 4-D
                   boolean mask (token i sees token j iff j is an ancestor-or-self of i) through sdpa; one
                   forward and one backward; LM head on the positions that score completion tokens only.
+* ``trl_packing`` (only where TRL imports; not in the default list) TRL 1.16's own per-segment packing:
+                  ``trl.experimental.async_grpo``'s ``TreeRow`` layout, attended per segment through sdpa
+                  (peer_bench/trl_packing.py).
 * ``tree``        ``TreeExecutor(model, block_size=...).backward(PrefixTrie.from_sequences(rows), loss,
                   score_from=prompt lengths - 1)`` (LM head on completion positions only, as the trainer)
                   on the step's trie (every group), LM head on every unique token (it has no completion-only
@@ -52,8 +59,10 @@ token, as the walk computes it.
 
 Code: this file is the command line and the run loop; the pieces are in ``benchmarks/peer_bench/``:
 ``workloads.py`` (models and shapes), ``context.py`` (what the methods share: model, loss), ``methods.py``
-(dense, the walk, the registry), ``prefix_grouping.py``, ``tree_mask.py``, ``measure.py`` (metered run,
-gradient check, timed rounds), ``trainer_step.py`` (the breakdown), ``report.py`` (tables, files, plots).
+(dense, the walk, the registry), ``prefix_grouping.py``, ``tree_mask.py``, ``trl_packing.py``, ``measure.py``
+(metered run, gradient check, timed rounds), ``memory_plan.py`` (``--plan``'s peak memory per method),
+``trainer_step.py`` (the breakdown), ``report.py`` (tables, files, plots). The GPU suite's decisive table runs
+each (configuration, method) in its own process instead: ``benchmarks/gpu_table.py``.
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's trl_dta
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # common.py, peer_bench/
 import common  # noqa: E402
+from peer_bench import memory_plan  # noqa: E402
 from peer_bench.context import Context  # noqa: E402
 from peer_bench.measure import TOLERANCE, measure  # noqa: E402
 from peer_bench.methods import METHODS, RUNNERS, run_tree  # noqa: E402
@@ -126,33 +136,84 @@ def plan(args) -> list[tuple[str, str]]:
 PLAN_COLUMNS = [  # (header, key, format)
     ("shape", "shape", "{}"), ("rows", "rows", "{}"), ("tokens", "tokens", "{:,}"),
     ("unique", "unique", "{:,}"), ("dedup", "dedup", "{:.2f}x"), ("pg dedup", "pg_dedup", "{:.2f}x"),
-    ("longest", "longest", "{:,}"), ("tree mask MiB", "mask_mib", "{:.0f}"), ("fits", "fits", "{}"),
+    ("longest", "longest", "{:,}"), ("tree mask MiB", "mask_mib", "{:.0f}"), ("positions", "positions", "{}"),
+]  # fmt: skip
+MEMORY_COLUMNS = [  # (header, key, format)
+    ("shape", "shape", "{}"), ("method", "method", "{}"), ("held tokens", "held_tokens", "{:,}"),
+    ("activations GB", "activations_gb", "{:.1f}"), ("logits GB", "logits_gb", "{:.1f}"),
+    ("extra GB", "extra_gb", "{:.1f}"), ("predicted GB", "predicted_gb", "{:.1f}"),
+    ("card GB", "card_gb", "{:.0f}"), ("fits", "fits", "{}"),
 ]  # fmt: skip
 
 
+def card_bytes(args) -> float:
+    """The memory the plan's estimates are held against: --card_gb, else the CUDA device's, else an H200's."""
+    if args.card_gb:
+        return args.card_gb * 1e9
+    if args.device.startswith("cuda") and torch.cuda.is_available():
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    return 150.1e9  # an H200 as torch reports it (139.8 GiB; sold as 141 GB)
+
+
+def memory_rows(
+    name: str, wl, methods: list[str], dtype: torch.dtype, micro_batch, card: float
+) -> list[dict]:
+    """The estimate of every method on one shape (benchmarks/peer_bench/memory_plan.py), against ``card``."""
+    rows = []
+    for m in methods:
+        if m not in memory_plan.METHODS:
+            continue
+        e = memory_plan.estimate(m, wl, MODELS[name], dtype.itemsize, approx_params(name), micro_batch)
+        fits = (
+            "yes"
+            if e.total <= memory_plan.USABLE * card
+            else "yes (auto budgets)"
+            if e.fits(card)
+            else "NO: OOM"
+        )
+        if e.floor is not None and e.floor < e.total:
+            fits += f", floor {e.floor / 1e9:.1f}"
+        rows.append({
+            "shape": wl.name, "method": m, "held_tokens": e.held_tokens,
+            "activations_gb": e.activations / 1e9, "logits_gb": e.logits / 1e9, "extra_gb": e.extra / 1e9,
+            "predicted_gb": e.total / 1e9, "card_gb": card / 1e9, "fits": fits,
+        })  # fmt: skip
+    return rows
+
+
 def show_plan(args) -> int:
-    """Print what a run would do (configurations, shapes and their sizes) and check the shapes fit the
-    models' position range; no model is built. Returns 1 if a shape does not fit."""
+    """Print what a run would do (configurations, shapes and their sizes), check the shapes fit the models'
+    position range, and estimate every method's peak memory against the card's (memory_plan.py); no model is
+    built. Returns 1 if a shape does not fit the position range (a predicted OOM is a prediction, not an
+    error: the run reports it as a row)."""
     configs = plan(args)
+    dtype = getattr(torch, args.dtype)
+    card = card_bytes(args)
     print(
         f"profile {args.profile}: {args.dtype} on {args.device}, repeats {args.repeats}, "
-        f"block_size {args.block_size}"
+        f"block_size {args.block_size}, dense micro-batch {args.micro_batch or 'one group'} rows"
     )
     print("configurations: " + ", ".join(f"{m}/{a}" for m, a in configs))
     bad = 0
     for name in dict.fromkeys(m for m, _ in configs):
         print(f"model {name}: ~{approx_params(name) / 1e6:.0f}M parameters")
-        rows = []
+        rows, memory = [], []
         shapes = shapes_for(args.profile, MODELS[name]["vocab_size"], args.scale)
         if not args.no_sweep:
             shapes += leaves_sweep(args.profile, MODELS[name]["vocab_size"], args.scale)
         for wl in shapes:
             s = wl.stats()
             s["mask_mib"] = s["unique"] ** 2 / 2**20  # the packed tree mask, bool
-            s["fits"] = "yes" if s["longest"] <= 40_960 else "NO"
-            bad += s["fits"] != "yes"
+            s["positions"] = "ok" if s["longest"] <= 40_960 else "NO"
+            bad += s["positions"] != "ok"
             rows.append(s)
+            memory += memory_rows(name, wl, args.methods.split(","), dtype, args.micro_batch or None, card)
         print(common.format_table(rows, PLAN_COLUMNS))
+        print(
+            f"peak memory per method (memory_plan.py: weights, gradients and AdamW states + activations + "
+            f"logits; fits: within {memory_plan.USABLE:.0%} of the card)"
+        )
+        print(common.format_table(memory, MEMORY_COLUMNS))
     return 1 if bad else 0
 
 
@@ -203,6 +264,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--repeats", type=int, help="timed rounds after the metered run")
     ap.add_argument("--block_size", type=int, help="TreeExecutor block_size")
+    ap.add_argument(
+        "--micro_batch", type=int, default=0,
+        help="rows per dense / dense_ckpt forward-backward (TRL's per_device_train_batch_size); 0: one group",
+    )  # fmt: skip
+    ap.add_argument(
+        "--card_gb", type=float, help="--plan: the card's memory (default: the device's, else an H200)"
+    )
     ap.add_argument("--no_sweep", action="store_true", help="skip peak memory vs number of leaves")
     ap.add_argument(
         "--sweep_leaves", help="comma-separated group sizes of the memory sweep (default: profile's)"
@@ -319,7 +387,7 @@ def benchmark(args, log) -> int:
             continue
         log(f"== model {model_name}, attn {attn}, {args.dtype}, {args.device}")
         model = make_model(model_name, args.device, dtype, attn)
-        ctx = Context(model, args.device, attn, args.block_size)
+        ctx = Context(model, args.device, attn, args.block_size, args.micro_batch or None)
         ms = [m for m in methods if not (m == "tree_mask" and attn not in ("sdpa", "eager"))]
         run_shapes(run, ctx, model_name, ms, tolerance, log)
         if not args.no_sweep and (model_name, attn) == configs[0]:

@@ -1,5 +1,7 @@
-"""The peer benchmark's smoke run (`python benchmarks/peers.py --quick`): every method runs, its gradients
-equal dense's, and the tables and plots are written. Slow: ~1-2 minutes on 2 cores."""
+"""The peer benchmark: its smoke run (`python benchmarks/peers.py --quick`: every method runs, its gradients
+equal dense's, the tables and plots are written; slow, ~1-2 minutes on 2 cores), the memory estimate of its
+plan against what the first GPU run measured, the GPU suite's decisive table (a process per row: an OOM is a
+row), and the profile's kernel classes."""
 
 from __future__ import annotations
 
@@ -13,13 +15,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-pytest.importorskip("prefix_grouper", reason="the `bench` extra (prefix-grouper) is not installed")
-pytest.importorskip("matplotlib")
+
+def _bench_extra():
+    pytest.importorskip("prefix_grouper", reason="the `bench` extra (prefix-grouper) is not installed")
+    pytest.importorskip("matplotlib")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_peers_quick(tmp_path):
+    _bench_extra()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     cmd = [
         sys.executable,
@@ -60,3 +65,77 @@ def test_packed_tree_layout():
     for i in range(len(tokens)):  # token i sees j iff j is on a path through i, at or before i
         path = next(p.tolist() for p in paths if i in p.tolist())
         assert {j for j in range(len(tokens)) if j <= i <= end[j]} == set(path[: path.index(i) + 1])
+
+
+def test_memory_plan_flags_the_first_gpu_runs_oom():
+    """``peers.py --plan``'s estimate (benchmarks/peer_bench/memory_plan.py) on the configuration that ran out
+    of memory in the first GPU run (shared/gpu-runs/2026-12-04: Qwen3-0.6B, grpo-4k-g16, 74,618 tokens, bf16,
+    dense without checkpointing, one group of 16 rows per micro-batch) against a 141 GB card: OOM; the walk
+    and the methods that ran fit, and their measured peaks above the weights are what the estimate says."""
+    from peer_bench import memory_plan
+    from peer_bench.workloads import MODELS, approx_params, shapes_for
+
+    p, params = MODELS["qwen3-0.6b"], approx_params("qwen3-0.6b")
+    wl = next(w for w in shapes_for("gpu", p["vocab_size"]) if w.name == "grpo-4k-g16")
+    assert wl.stats()["tokens"] == 74_618
+    est = {m: memory_plan.estimate(m, wl, p, 2, params) for m in ("dense", "dense_ckpt", "pg", "tree")}
+    card = 141e9
+    assert not est["dense"].fits(card) and est["dense"].total > 1.3 * card
+    assert est["tree"].fits(card) and est["dense_ckpt"].fits(card) and est["pg"].fits(card)
+    # peak_mib of rerun/peers_grpo-4k-g16.json: torch.cuda.max_memory_allocated above the weights
+    for method, mib in {"dense_ckpt": 29_808, "pg": 76_652}.items():
+        assert abs(est[method].step / (mib * 2**20) - 1) < 0.1, (method, est[method].step / 2**20)
+    # the walk's defaults on that card (auto budgets: the whole group in one call), by the library's memory
+    # model: more than the 2,048-token blocks measured then, at most half of PrefixGrouper's (issue 53's aim)
+    assert 14_567 * 2**20 <= est["tree"].step <= est["pg"].step / 2
+    # the decisive table's baseline, TRL's micro-batches of 2 rows, holds far less than a group at once
+    assert (
+        memory_plan.estimate("dense_ckpt", wl, p, 2, params, micro_batch=2).total
+        < est["dense_ckpt"].total / 2
+    )
+
+
+def test_profile_kinds():
+    """gpu_profile.py's classes of kernel (and CPU op) names, the LM head by the vocabulary in its shapes."""
+    from gpu_profile import classify
+
+    vocab = 151_936
+    cases = {
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>": "attention",
+        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN": "matmul",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::direct_copy_kernel_cuda>": "copies",
+        "Memcpy DtoD (Device -> Device)": "copies",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>": "elementwise",
+        "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>": "elementwise",
+        "aten::mm": "matmul",
+        "aten::_scaled_dot_product_flash_attention_for_cpu": "attention",
+    }
+    for name, kind in cases.items():
+        assert classify(name, [[4096, 1024], [1024, 3072]], vocab) == kind, name
+    assert classify("sm90_xmma_gemm_bf16bf16", [[4096, 1024], [vocab, 1024]], vocab) == "LM head"
+    assert classify("aten::_log_softmax", [[4096, vocab], [], []], vocab) == "LM head"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gpu_table_rows_are_processes(tmp_path):
+    """The decisive table on a CPU at toy size: each row its own process; an injected OOM is a row that says
+    so, and the rows after it still run."""
+    _bench_extra()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_table.py"), "--out", str(tmp_path),
+           "--device", "cpu", "--model", "tiny", "--scale", "0.03125", "--configs", "1", "--rounds", "1",
+           "--methods", "tree,dense_ckpt", "--inject_oom", "dense", "--threads", "1"]  # fmt: skip
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.startswith("# Decisive table")
+    rows = json.loads((tmp_path / "gpu_table.json").read_text())["rows"]
+    assert [(r["method"], r["status"]) for r in rows] == [
+        ("tree", "ok"), ("dense", "OOM (injected)"), ("dense_ckpt", "ok"),
+    ]  # fmt: skip
+    assert rows[0]["vs_ckpt"] > 0 and rows[0]["of_ideal"] == pytest.approx(
+        rows[0]["vs_ckpt"] / rows[0]["dedup"]
+    )
+    assert (tmp_path / "gpu_table.md").read_text().count("\n| ") >= 3

@@ -1,5 +1,5 @@
 """What every method of the peer benchmark shares: the model and its switchable attention (``Context``), the
-GRPO loss, completion log-probs, right padding."""
+GRPO loss, completion log-probs, left and right padding."""
 
 from __future__ import annotations
 
@@ -20,23 +20,39 @@ def completion_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)
 
 
-def padded(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token ids and their attention mask, both [len(seqs), longest]."""
+def padded(seqs: list[list[int]], device, left: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (``left``: left-padded, as TRL pads prompts) token ids and their attention mask, both
+    [len(seqs), longest]."""
     width = max(map(len, seqs))
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     mask = torch.zeros(len(seqs), width, dtype=torch.long)
     for r, s in enumerate(seqs):
-        ids[r, : len(s)], mask[r, : len(s)] = torch.as_tensor(s), 1
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[r, cols], mask[r, cols] = torch.as_tensor(s, dtype=torch.long), 1
     return ids.to(device), mask.to(device)
 
 
 class Context:
-    """The model and everything the methods share for one (model, attention, dtype) configuration."""
+    """The model and everything the methods share for one (model, attention, dtype) configuration.
 
-    def __init__(self, model, device, attn: str, block_size: int):
+    ``block_size``: the walk's ``TreeExecutor(block_size=...)``; None: the executor's defaults (budgets from
+    the free memory, ``memory_budget="auto"``). ``micro_batch``: rows per forward/backward of the dense
+    methods (TRL's ``per_device_train_batch_size``), accumulating; None: one GRPO group per micro-batch."""
+
+    def __init__(self, model, device, attn: str, block_size: int | None, micro_batch: int | None = None):
         self.model, self.device, self.attn, self.block_size = model, torch.device(device), attn, block_size
-        self.executor = TreeExecutor(model, block_size=block_size)  # once: it runs a small probe
+        self.micro_batch = micro_batch
+        self._executor: TreeExecutor | None = None
         self.pg_kernel = "flash_attention_2" if attn == "flash_attention_2" else "bottom_right_sdpa"
+
+    @property
+    def executor(self) -> TreeExecutor:
+        """The walk's executor, built at its first use and kept (its construction runs a small probe), so that
+        a process that runs no walk builds none."""
+        if self._executor is None:
+            sizes = {} if self.block_size is None else {"block_size": self.block_size}
+            self._executor = TreeExecutor(self.model, **sizes)
+        return self._executor
 
     @contextlib.contextmanager
     def attention(self, impl: str):

@@ -10,6 +10,7 @@ from trl_dta import PrefixTrie, TreeExecutor
 from .context import Context, completion_logps, grpo_loss, padded
 from .prefix_grouping import run_prefix_grouper
 from .tree_mask import run_tree_mask
+from .trl_packing import run_trl_packing
 from .workloads import Workload
 
 METHODS = ["dense", "dense_ckpt", "pg", "pg_lmhead", "tree_mask", "tree"]
@@ -20,12 +21,30 @@ LABELS = {
     "pg_lmhead": "PrefixGrouper, LM head on completions",
     "tree_mask": "packed tree mask (sdpa)",
     "tree": "TreeExecutor (walk)",
+    "trl_packing": "TRL's per-segment packing (TreeRow)",
     "tree_mask_fullhead": "packed tree mask, LM head on all tokens",
 }
 
 
+def micro_batches(ctx: Context, wl: Workload):
+    """(prompts, completions, advantages) of each dense micro-batch: one GRPO group each (``ctx.micro_batch``
+    None), else ``ctx.micro_batch`` rows at a time in group-major order, as TRL cuts its batch into
+    ``per_device_train_batch_size`` rows."""
+    rows = [(p, c) for p, cs in wl.groups for c in cs]
+    if ctx.micro_batch is None:
+        bounds, lo = [], 0
+        for _, comps in wl.groups:
+            bounds.append((lo, lo + len(comps)))
+            lo += len(comps)
+    else:
+        bounds = [(lo, min(lo + ctx.micro_batch, len(rows))) for lo in range(0, len(rows), ctx.micro_batch)]
+    for lo, hi in bounds:
+        yield [p for p, _ in rows[lo:hi]], [c for _, c in rows[lo:hi]], wl.advantages[lo:hi]
+
+
 def run_dense(ctx: Context, wl: Workload, checkpointing: bool = False) -> None:
-    """TRL-style: one padded micro-batch per group, the LM head on completion positions only."""
+    """TRL-style: padded micro-batches (prompts left-padded, completions right-padded; see ``micro_batches``),
+    gradients accumulating, the LM head on completion positions only."""
     model, rows = ctx.model, wl.num_rows
     if checkpointing:  # transformers >= 5.2x renamed it; 5.17 (the GPU machine) has only the old name
         if hasattr(model, "activation_checkpointing_enable"):
@@ -34,20 +53,16 @@ def run_dense(ctx: Context, wl: Workload, checkpointing: bool = False) -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # HF checkpoints only in training mode; dropout is 0 in these configs
     try:
-        lo = 0
-        for prompt, comps in wl.groups:  # one micro-batch per group, gradients accumulate
+        for prompts, comps, adv in micro_batches(ctx, wl):
+            p_ids, p_mask = padded(prompts, ctx.device, left=True)
             c_ids, c_mask = padded(comps, ctx.device)
-            p_ids = torch.as_tensor(prompt, device=ctx.device)[None].expand(len(comps), -1)
             ids = torch.cat([p_ids, c_ids], 1)
-            mask = torch.cat([torch.ones_like(p_ids), c_mask], 1)
+            mask = torch.cat([p_mask, c_mask], 1)
             width = c_ids.shape[1]
             logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=width + 1).logits[:, :-1]
             lp = completion_logps(logits, c_ids)
             m = c_mask.float()
-            grpo_loss(
-                (lp * m).sum(1) / m.sum(1), wl.advantages[lo : lo + len(comps)].to(ctx.device), rows
-            ).backward()
-            lo += len(comps)
+            grpo_loss((lp * m).sum(1) / m.sum(1), adv.to(ctx.device), rows).backward()
     finally:
         if checkpointing:
             getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
@@ -77,4 +92,6 @@ RUNNERS = {
     # diagnostic, not in METHODS (--methods ...,tree_mask_fullhead): the LM head on every unique token, to
     # measure how much of the walk's gap to tree_mask is its LM head on prompt positions
     "tree_mask_fullhead": lambda ctx, wl: run_tree_mask(ctx, wl, head_on_all=True),
+    # not in METHODS (needs TRL, which the GPU machine lacks): TRL 1.16's TreeRow layout, attended per segment
+    "trl_packing": run_trl_packing,
 }
