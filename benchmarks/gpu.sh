@@ -42,7 +42,8 @@
 #      under torch.profiler: GPU busy vs idle, GPU time by kind, host time per decoder-layer call;
 #   5. the cost model fitted on this GPU (issue 41): `call_costs.py --device cuda`, then `cost_fit.py`;
 #   6. the device-sized walk: `device_walk.py` (flex attention's fp32 exactness, failing the script above 1e-5;
-#      then a Qwen3-1.7B-shaped walk on tau2-2x8-10k x1/8: sdpa, sdpa split per segment and flex side by side);
+#      then a Qwen3-1.7B-shaped walk on tau2-2x8-10k x1/8: its attention paths side by side: segments (the
+#      default: the flash kernel), segments through sdpa, the mask path and flex);
 #   7. FSDP2 smoke test: `fsdp2_smoke.py`, gather-once and per-layer (world size 1, fp32); fails the script on a
 #      mismatch;
 #   8. memory next to a colocated vLLM engine (issue 33): `vllm_memory.py`, on paper and the CUDA peaks;
@@ -216,7 +217,7 @@ if [ $DRY = 1 ]; then
     step "soak on CPU (optional: 20 steps)" 30 300 "$PY" benchmarks/soak.py --mode executor --device cpu --steps 20 \
         --every 5 --warmup 5 --oom_at 8 --hidden 64 --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/soak.log" \
         | grep -v -i warn | tail -n 3 || echo "soak: failed (not fatal)"
-    step "launch model on CPU (lengths x 1/8, 60e9 B, flex and sdpa)" 30 900 "$PY" benchmarks/launch_model.py \
+    step "launch model on CPU (lengths x 1/8, 60e9 B, segments, mask and flex)" 30 900 "$PY" benchmarks/launch_model.py \
         --scales 0.125 --cards "" --launch_factors 2 --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/launch_model.log" \
         | grep -v -i warn | tail -n 2
 else
@@ -228,7 +229,7 @@ else
         --layers 8 --memory 60e9 --steps 12 --offline "$OUT_DIR/call_costs_cuda.json" --peers --out "$OUT_DIR" \
         2>&1 | tee -a "$OUT_DIR/cost_fit.log" | grep -v -i warn | tail -n 32 || echo "cost fit: failed (not fatal)"
     # 6. the device-sized walk (issue 27): flex's fp32 exactness (fails the script), then the Qwen3-1.7B walk
-    step "device-sized walk, cuda (flex parity, then sdpa, sdpa split, flex)" 90 240 "$PY" \
+    step "device-sized walk, cuda (flex parity, then segments, segments via sdpa, mask, flex)" 90 240 "$PY" \
         benchmarks/device_walk.py --device cuda --scale 0.125 --out "$OUT_DIR" 2>&1 \
         | tee "$OUT_DIR/device_walk.log" | grep -v -i warn | tail -n 8 || walk_rc=$?
     # 7. FSDP2 smoke test (fp32, world size 1)
