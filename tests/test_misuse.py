@@ -272,3 +272,27 @@ def test_a_model_on_the_meta_device_is_refused():
         model = make_model("qwen3", "sdpa")
     with pytest.raises(ValueError, match="meta device"):
         TreeExecutor(model)
+
+
+def test_a_failing_generation_raises_its_own_error():
+    """``VLLMMixin`` times TRL's ``_generate``: a generation that raises does so with its own error, whatever
+    the timing's metric write would do (it once replaced a ``ValueError`` in flight with a ``KeyError``)."""
+    from types import SimpleNamespace
+
+    from trl_dta.vllm.trainer import VLLMMixin
+
+    class Generates:
+        def _generate(self, prompts):
+            if prompts is None:
+                raise ValueError("the generation's own error")
+            return ["done"]
+
+    class Trainer(VLLMMixin, Generates):
+        pass
+
+    trainer = Trainer.__new__(Trainer)  # (no TRL trainer built: only _generate runs)
+    trainer.model, trainer._metrics = SimpleNamespace(training=True), {}  # (a metric write would raise)
+    with pytest.raises(ValueError, match="the generation's own error"):
+        trainer._generate(None)
+    trainer._metrics = {"train": {"perf/generation_s": []}}
+    assert trainer._generate([]) == ["done"] and len(trainer._metrics["train"]["perf/generation_s"]) == 1

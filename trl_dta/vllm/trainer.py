@@ -50,9 +50,10 @@ class VLLMMixin:
         return colocated_reserved_bytes(self.args, self.accelerator.device)
 
     def _generate(self, prompts):
+        """TRL's generation, timed (``perf/generation_s``): a generation that raises is not timed, so that
+        nothing done after it can replace the error on its way out."""
         started = time.perf_counter()
-        try:
-            return super()._generate(prompts)
-        finally:
-            mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["perf/generation_s"].append(time.perf_counter() - started)
+        result = super()._generate(prompts)
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["perf/generation_s"].append(time.perf_counter() - started)
+        return result
