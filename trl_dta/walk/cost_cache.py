@@ -38,16 +38,16 @@ def cache_dir(directory: str | os.PathLike | None = None) -> Path:
 
 def device_name(device: torch.device) -> str:
     """What the constants depend on besides the model: the accelerator's name, or the CPU's model and the
-    threads torch computes with."""
+    threads torch computes with; and torch's version (its kernels and dispatch)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return f"{device.type}: {cpu}, {torch.get_num_threads()} threads"
+    return f"{device.type}: {cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def model_signature(config, dtype: torch.dtype, attention: str, packed: str) -> str:
