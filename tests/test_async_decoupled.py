@@ -292,3 +292,32 @@ def test_a_step_on_the_dense_path_equals_the_walk(model_dir, tmp_path):
         assert len(staleness) == 2  # (logged on either path)
     assert relative_error(updates[1], updates[0]) <= 1e-4
     assert max(u.abs().max() for u in updates[0].values()) > 1e-4  # it trained
+
+
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_dense_step_that_runs_out_of_memory_is_walked(model_dir, tmp_path, at):
+    """``tree_dense_fallback="always"``, the dense forward of the first step's ``at``-th micro-batch out of
+    memory: the step is walked from its first micro-batch (its gradients dropped first), the run's updates a
+    walked run's to fp32 rounding."""
+    from trl_dta.testing.oom import InjectOOM
+
+    reference = plain_model(model_dir)
+    samples = rollouts(8, reference, groups=6, per_group=3, versions=(0, 1), noise=1.0)
+    shape = dict(
+        per_device_train_batch_size=3, gradient_accumulation_steps=2, max_steps=2, learning_rate=0.05
+    )
+    updates, logs = [], []
+    for mode, inject in (("never", None), ("always", at)):
+        options = dict(use_decoupled_loss=True, behav_imp_weight_cap=CAP, max_staleness=10)
+        trainer = make_trainer(
+            model_dir, tmp_path / f"{mode}{inject}", samples, tree_dense_fallback=mode, **shape, **options
+        )
+        with InjectOOM(trainer.model.model.layers[0], inject, inside="_dense_micro_batch") as oom:
+            trainer.train()
+        updates.append(
+            {n: p.detach() - reference.get_parameter(n) for n, p in trainer.model.named_parameters()}
+        )
+        logs = [log for log in trainer.state.log_history if "tree/path" in log]
+    assert oom.raised == 1
+    assert [log.get("tree/dense_oom_retries", 0.0) for log in logs] == [1.0, 0.0]
+    assert relative_error(updates[1], updates[0]) <= 1e-4

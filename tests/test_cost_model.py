@@ -285,96 +285,149 @@ def _shared(n: int = 16) -> list[StepSequence]:
 
 
 def test_the_dense_fallback_decides_by_the_fitted_costs(tmp_path):
+    """By the prediction alone (a no-gradient pass: nothing timed, nothing explored): the unshared rows'
+    packed row under a dense mask costs 16x the attention pairs of their padded rows, the shared rows' prompt
+    is walked once instead of 16 times."""
     model = _rectangle_model()
     metrics = defaultdict(list)
     assert not _walker("never", model, tmp_path).prefer_dense(model, _unshared(), metrics=metrics)
     assert _walker("always", model, tmp_path).prefer_dense(model, _unshared(), metrics=metrics)
     auto = _walker("auto", model, tmp_path)
-    assert auto.prefer_dense(model, _unshared(), metrics=metrics)  # from the first step: the shipped prior
+    assert auto.prefer_dense(model, _unshared(), metrics=metrics, timed=False)  # the shipped prior
     _calibrate(auto, model, CPU)
-    assert auto.prefer_dense(model, _unshared(), metrics=metrics)  # the same call, 16x the attention pairs
-    assert not auto.prefer_dense(model, _shared(), metrics=metrics)  # the prompt walked once, not 16 times
+    assert auto.prefer_dense(model, _unshared(), metrics=metrics, timed=False)
+    assert not auto.prefer_dense(model, _shared(), metrics=metrics, timed=False)
     prediction = auto.prediction
     assert prediction.dense_s > prediction.walk_s * 1.1 and not prediction.dense
     assert metrics["tree/path"] == [0.0, 1.0, 1.0, 1.0, 0.0]
+    assert metrics["tree/path_reason"][2:] == [0.0] * 3  # ("predicted": nothing measured)
     assert len(metrics["tree/predicted_s"]) == 5 and len(metrics["tree/predicted_dense_s"]) == 5
     assert metrics["tree/dedup_ratio"] == [1.0] * 3  # a dense step logs how little it shared
     assert metrics["tree/tokens"] == metrics["tree/unique_tokens"] == [16 * 128.0] * 3
     # the margin: dense must win by it; a margin wider than the gap keeps the walk
     wide = _walker("auto", model, tmp_path, tree_dense_margin=100.0)
     _calibrate(wide, model, CPU)
-    assert not wide.prefer_dense(model, _unshared())
+    assert not wide.prefer_dense(model, _unshared(), timed=False)
 
 
-def test_steps_are_timed_and_scale_the_dense_predictions_relative_to_the_walk(tmp_path):
-    """Each decided training step is timed from the decision to the optimizer step (the trainers' callback
-    stops the clock). A measured step covers more than its prediction on either path, so the dense side's
-    predictions are scaled only once both paths were measured, by their ratios' ratio: one dense step
-    measured slower than priced does not send the next steps to the walk; a dense path slower than priced
-    relative to the walk does. A no-gradient pass is not timed; a step that ends without an optimizer step
-    is forgotten."""
+def _step(walker, model, seqs, metrics, seconds=None) -> bool:
+    """One decided training step: the decision, then its optimizer step (the trainers' callback stops the
+    clock); ``seconds``: what the step measured, as if it had taken that long."""
     from trl_dta.train.dense_fallback import StepClockCallback
 
+    clock = walker.step_clock
+    dense = walker.prefer_dense(model, seqs, metrics=metrics)
+    StepClockCallback(clock).on_pre_optimizer_step(None, None, None)
+    if seconds is not None:  # (the clock's own measurement replaced)
+        _, price = clock.measured[dense].pop()
+        clock._add(dense, price, seconds(dense))
+    return dense
+
+
+def test_each_path_is_measured_before_its_prediction_is_trusted(tmp_path):
+    """Every decided training step is timed (from the decision to the optimizer step) and each path's
+    predictions are scaled by its own measured over predicted seconds. The first step takes the path
+    predicted faster; a path not measured yet is explored at the next (once): a prior that sends the first
+    step to the dense path makes the next one walk, and the other way round, so that both paths are compared
+    measured with measured (``tree/path_reason``)."""
     model = _rectangle_model()
     walker = _walker("auto", model, tmp_path)
     _calibrate(walker, model, CPU)
     clock, metrics = walker.step_clock, defaultdict(list)
-    stop = StepClockCallback(clock).on_pre_optimizer_step
-    assert walker.prefer_dense(model, _unshared(), metrics=metrics) and clock.scale == 1.0
-    stop(None, None, None)  # (the optimizer step)
-    assert clock.last_dense_s > 0 and len(clock.measured[True]) == 1 and "tree/dense_s" not in metrics
-    clock.measured[True].extend([(50.0, lambda: 1.0)] * 3)  # (dense steps far slower than priced: alone,
-    # no matter)
-    assert walker.prefer_dense(model, _unshared(), metrics=metrics) and clock.scale == 1.0
-    assert metrics["tree/dense_s"] == [clock.last_dense_s] and metrics["tree/dense_scale"] == [1.0]
-    clock.cancel()  # (as at the next decision: this one ended without an optimizer step)
-    stop(None, None, None)
-    assert len(clock.measured[True]) == 4
-    assert not walker.prefer_dense(model, _shared(), metrics=metrics)  # a walked step, timed as well
-    stop(None, None, None)
-    assert len(clock.measured[False]) == 1 and clock.ratios(False)[0] > 0
-    walk_ratio = clock.ratios(False)[0]
-    clock.measured[True].clear()
-    clock.measured[True].extend([(1e4 * walk_ratio, lambda: 1.0)] * clock.WINDOW)  # 10^4 x the walk's ratio
-    assert not walker.prefer_dense(model, _unshared(), metrics=metrics)  # the walk wins again
-    assert metrics["tree/dense_scale"][-1] == pytest.approx(1e4)
-    assert walker.prediction.dense_s > walker.prediction.walk_s
+
+    def seconds(dense: bool) -> float:  # (each step as long as its price: a ratio of 1 on either path)
+        return walker.prediction.price_dense() if dense else walker.prediction.price_step()
+
+    assert _step(walker, model, _unshared(), metrics, seconds)  # dense: predicted faster, nothing measured
+    assert metrics["tree/path_reason"] == [0.0] and len(clock.measured[True]) == 1
+    assert not _step(walker, model, _unshared(), metrics, seconds)  # the walk: unmeasured, within reach
+    assert metrics["tree/path_reason"][-1] == 2.0 and len(clock.measured[False]) == 1
+    _step(walker, model, _unshared(), metrics, seconds)  # both measured: their scaled predictions decide
+    assert metrics["tree/path_reason"][-1] == 1.0
+    assert metrics["tree/walk_scale"][-1] == pytest.approx(clock.scale(False))
+    assert metrics["tree/dense_scale"][-1] == pytest.approx(clock.scale(True))
+    assert walker.prediction.dense_s == pytest.approx(walker.prediction.price_dense() * clock.scale(True))
     clock.cancel()
     walker.prefer_dense(model, _unshared(), timed=False)  # (a no-gradient pass: never timed)
     assert clock._running is None
 
 
+@pytest.mark.parametrize("prior", ["dense 50x too cheap", "dense 3x too dear"])
+def test_a_prior_that_misprices_the_dense_path_is_corrected_within_three_steps(tmp_path, prior):
+    """Steps whose true times favour one path, under constants that favour the other: the run takes the
+    faster path from its third step on (the first two measure both), and stays there."""
+    model = _rectangle_model()
+    walker = _walker("auto", model, tmp_path)
+    _calibrate(walker, model, CPU)
+    cheap_dense = prior.startswith("dense 50x")
+    seqs = _unshared()  # (the prediction: dense faster; the truth below)
+
+    def seconds(dense: bool) -> float:  # the true step times: dense 50x its price, or 1/3 of it
+        price = walker.prediction.price_dense() if dense else walker.prediction.price_step()
+        return price * (50.0 if dense and cheap_dense else 1 / 3 if dense else 1.0)
+
+    if not cheap_dense:  # (a prior pricing dense 3x too dear: it predicts the walk faster)
+        cost_model = walker.executor(model).cost_model
+        walker.prefer_dense(model, seqs, timed=False)
+        walk_s, dense_s = walker.prediction.step_s, walker.prediction.dense_s
+        cost_model.active = CPU._replace(per_pair=CPU.per_pair * 3 * dense_s / walk_s)
+    paths = [_step(walker, model, seqs, defaultdict(list), seconds) for _ in range(8)]
+    assert paths[2:] == [not cheap_dense] * 6, paths
+
+
+def test_a_path_is_measured_again_when_the_others_ratio_drifts(tmp_path):
+    """Once both paths were measured, the path not taken is measured again (once) when the taken one's
+    measured over predicted seconds moved past 2x since (the machine's load changed, say)."""
+    model = _rectangle_model()
+    walker = _walker("auto", model, tmp_path)
+    _calibrate(walker, model, CPU)
+    seqs, slow = _shared(4), [1.0]  # (dense predicted ~3x the walk: within reach of an exploration)
+
+    def seconds(dense: bool) -> float:
+        price = walker.prediction.price_dense() if dense else walker.prediction.price_step()
+        return price * (2.0 if dense else slow[0])
+
+    paths = [_step(walker, model, seqs, defaultdict(list), seconds) for _ in range(4)]
+    assert paths == [False, True, False, False]  # the walk, the dense path explored, then the walk wins
+    slow[0] = 1.5  # (the walk 1.5x slower: no drift past 2x)
+    assert [_step(walker, model, seqs, defaultdict(list), seconds) for _ in range(8)] == [False] * 8
+    slow[0] = 10.0  # (10x: past 2x once the window holds it)
+    paths = [_step(walker, model, seqs, defaultdict(list), seconds) for _ in range(12)]
+    assert True in paths  # the dense path measured again
+
+
 def test_measured_steps_are_compared_with_the_constants_in_use(tmp_path):
     """A measured step is compared with its price by the constants in use at each decision, not with the
     prediction made when it ran: once the fit adopts other constants, both paths' measured steps are priced
-    by them, and the dense side's scale follows. (With ratios of the older predictions, a run whose fit
-    changed after its walked steps went on taking a dense path measured slower than the walk, on a step
-    shape the new constants mispriced: seen on async-single.)"""
-    from trl_dta.train.dense_fallback import StepClockCallback
+    by them, and their scales follow. (With ratios of the older predictions, a run whose fit changed after
+    its walked steps went on taking a dense path measured slower than the walk, on a step shape the new
+    constants mispriced: seen on async-single.)"""
 
     model = _rectangle_model()
     walker = _walker("auto", model, tmp_path)
     _calibrate(walker, model, CPU)
-    clock, stop = walker.step_clock, StepClockCallback(walker.step_clock).on_pre_optimizer_step
-    assert not walker.prefer_dense(model, _shared())  # a walked step, measured
+    clock = walker.step_clock
+
+    def seconds(dense: bool) -> float:  # (each step 1.5x its price)
+        return 1.5 * (walker.prediction.price_dense() if dense else walker.prediction.price_step())
+
+    assert not _step(walker, model, _shared(), defaultdict(list), seconds)  # a walked step, measured
     walked = walker.prediction
-    stop(None, None, None)
-    assert walker.prefer_dense(model, _unshared())  # a dense step, measured
+    assert _step(walker, model, _unshared(), defaultdict(list), seconds)  # a dense step, measured
     dense = walker.prediction
-    stop(None, None, None)
     (walk_s, _), (dense_s, _) = clock.measured[False][0], clock.measured[True][0]
-    assert clock.ratios(False) == [pytest.approx(walk_s / walked.step_s)]
-    assert clock.ratios(True) == [pytest.approx(dense_s / dense.dense_s)]
-    before = clock.scale
+    assert clock.ratios(False) == [pytest.approx(walk_s / walked.price_step())]
+    assert clock.ratios(True) == [pytest.approx(dense_s / dense.price_dense())]
+    before = clock.scale(True) / clock.scale(False)
     # a refit whose tokens cost a tenth and attention pairs ten times as much: the padded dense rows (every
     # pair of each row) now cost more against the walk's calls than when they ran
     cost_model = walker.executor(model).cost_model
+    prices = walked.price_step(), dense.price_dense()
     cost_model.active = CPU._replace(per_token=CPU.per_token / 10, per_pair=CPU.per_pair * 10)
-    assert walked.price_step() != pytest.approx(walked.step_s) and dense.price_dense() != dense.dense_s
+    assert walked.price_step() != pytest.approx(prices[0]) and dense.price_dense() != pytest.approx(prices[1])
     assert clock.ratios(False) == [pytest.approx(walk_s / walked.price_step())]
     assert clock.ratios(True) == [pytest.approx(dense_s / dense.price_dense())]
-    assert clock.scale == pytest.approx(clock.ratios(True)[0] / clock.ratios(False)[0])
-    assert clock.scale != pytest.approx(before)
+    assert clock.scale(True) / clock.scale(False) != pytest.approx(before)
 
 
 def test_several_processes_take_the_path_of_the_slowest_ranks_predictions(tmp_path):
@@ -397,10 +450,16 @@ def test_several_processes_take_the_path_of_the_slowest_ranks_predictions(tmp_pa
     for seqs, alone in ((_unshared(), True), (_shared(), False)):
         assert decide(executor, seqs, "auto", 0.1, False)[1] is alone
         factors = (1.0, 100.0) if alone else (100.0, 1.0)  # the other rank: dense (walk) far slower
-        assert decide(executor, seqs, "auto", 0.1, False, agree=other_rank(factors))[1] is not alone
-    assert decide(executor, [], "auto", 0.1, False, agree=lambda v: [1.0, 0.5])[1]
-    assert not decide(executor, [], "auto", 0.1, False, agree=lambda v: [1.0, 1.0])[1]
-    assert len(seen) == 2 and all(len(v) == 2 and v[0] > 0 for v in seen)
+        assert (
+            decide(executor, seqs, "auto", 0.1, False, agree=other_rank((*factors, 1, 1, 1, 1)))[1]
+            is not alone
+        )
+    # (a rank without sequences votes zeros) the agreed votes: times, no room, explorations, unmeasured
+    assert decide(executor, [], "auto", 0.1, False, agree=lambda v: [1.0, 0.5, 0, 0, 0, 1])[1]
+    assert not decide(executor, [], "auto", 0.1, False, agree=lambda v: [1.0, 1.0, 0, 0, 0, 1])[1]
+    assert not decide(executor, [], "auto", 0.1, False, agree=lambda v: [1.0, 0.5, 1, 0, 0, 1])[1]  # no room
+    assert not decide(executor, [], "auto", 0.1, False, agree=lambda v: [1.0, 0.5, 0, 1, 0, 1])[1]  # explore
+    assert len(seen) == 2 and all(len(v) == 6 and v[0] > 0 for v in seen)
     assert decide(executor, _unshared(), "never", 0.1, False, agree=lambda v: 1 / 0)[1] is False  # no call
 
 
@@ -451,9 +510,9 @@ def test_the_dense_fallback_is_refused_where_every_step_must_walk(tmp_path):
     model = _rectangle_model()
     walker = _walker("auto", model, tmp_path)
     _calibrate(walker, model, CPU)
-    assert not walker.walk_only and walker.prefer_dense(model, _unshared())
+    assert not walker.walk_only and walker.prefer_dense(model, _unshared(), timed=False)
     walker.walk_only = True  # (as under DeepSpeed or FSDP: never dense)
-    assert not walker.prefer_dense(model, _unshared())
+    assert not walker.prefer_dense(model, _unshared(), timed=False)
     with pytest.raises(ValueError, match="not supported under DeepSpeed or FSDP"):
         checked_mode("always", walk_only=True)
     assert checked_mode("auto", walk_only=True) == "auto"
@@ -473,4 +532,99 @@ def test_the_step_tree_check_gradients_checks_is_walked(tmp_path):
         walker = _walker(mode, model, tmp_path, tree_check_gradients=True)
         assert not walker.prefer_dense(model, _unshared())
         walker.check_gradients = False  # (as after the first gradient step, which checked)
-        assert walker.prefer_dense(model, _unshared())
+        assert walker.prefer_dense(model, _unshared(), timed=False)
+
+
+def test_a_step_whose_dense_path_would_not_fit_walks(tmp_path, monkeypatch):
+    """On a device that reports its free memory (CUDA), a step whose dense path would not fit it (TRL's
+    largest micro-batch, with its checkpointing setting: ``dense_bytes``) walks, whatever the prediction
+    (``tree/path_reason`` 3); gradient checkpointing keeps less, and fits where the plain dense path would
+    not."""
+    from trl_dta.train import dense_fallback
+
+    model = _rectangle_model()
+    walker = _walker("auto", model, tmp_path)
+    _calibrate(walker, model, CPU)
+    lm, metrics = walker.executor(model).lm, defaultdict(list)
+    need, checkpointed = (dense_fallback.dense_bytes(lm, _unshared(), c) for c in (False, True))
+    assert 0 < checkpointed < need
+    free = lambda share: lambda device: need * share / dense_fallback.FREE_SHARE  # noqa: E731
+    monkeypatch.setattr(dense_fallback, "free_memory", free(1.1))
+    assert walker.prefer_dense(model, _unshared(), metrics=metrics, timed=False)
+    monkeypatch.setattr(dense_fallback, "free_memory", free(0.9))
+    assert not walker.prefer_dense(model, _unshared(), metrics=metrics, timed=False)
+    assert metrics["tree/path_reason"] == [0.0, 3.0]
+    walker.prefer_dense(model, _unshared(), checkpointing=True, metrics=metrics, timed=False)
+    assert metrics["tree/path_reason"][-1] != 3.0  # (it fits: decided by the prediction)
+
+
+def test_a_first_try_of_the_dense_path_is_cut_short_where_its_forward_outlasts_the_walk(tmp_path):
+    """``dense_trial_too_slow``: at the end of the first dense micro-batch's forward of the dense path's first
+    try ("auto"; the run's first step, or after walked steps), a forward longer than twice the walk's
+    predicted step (measured-scaled once the walk is measured) records the dense path that slow (the forward
+    a third of its micro-batch) and says so; later micro-batches, and later tries once the dense path is
+    measured, are not cut; "always" is never cut."""
+    import time
+
+    model = _rectangle_model()
+    walker = _walker("auto", model, tmp_path)
+    _calibrate(walker, model, CPU)
+    assert walker.prefer_dense(model, _unshared())  # the run's first step: nothing measured
+    assert walker.dense_trial_too_slow(time.perf_counter() - 10 * walker.prediction.step_s)
+    assert len(walker.step_clock.measured[True]) == 1 and not walker.step_clock.measured[False]
+
+    walker = _walker("auto", model, tmp_path)
+    _calibrate(walker, model, CPU)
+    walker.step_clock.record(False, lambda: 1.0, 1.0)  # (a walked step, measured at its price)
+    assert walker.prefer_dense(model, _unshared())  # (a timed decision: the dense path's first try)
+    step_s = walker.prediction.step_s
+    assert not walker.dense_trial_too_slow(time.perf_counter() - 0.5 * step_s)  # a fast forward
+    assert not walker.dense_trial_too_slow(time.perf_counter() - 10 * step_s)  # (only the first micro-batch)
+    walker.prefer_dense(model, _unshared())
+    assert walker.dense_trial_too_slow(time.perf_counter() - 10 * step_s)
+    assert walker.step_clock.ratios(True) and walker.step_clock.measured[True][-1][0] >= 30 * step_s
+    walker.prefer_dense(model, _unshared())  # (measured now: not a first try)
+    assert not walker.dense_trial_too_slow(time.perf_counter() - 10 * step_s)
+    always = _walker("always", model, tmp_path)
+    assert always.prefer_dense(model, _unshared())
+    assert not always.dense_trial_too_slow(time.perf_counter() - 1e3)
+
+
+def test_a_dense_path_far_slower_than_its_prediction_costs_one_forward(tmp_path):
+    """The shape of TRL's own tool-calling GRPO test (its tiny Qwen3-MoE: hidden 8, a 151,936-token
+    vocabulary; 3 rows a step): TRL's dense step takes seconds there (its chunked log-prob kernel loops over
+    the vocabulary in Python on a CPU), the walk a tenth of one, and the shipped prior prices the two alike.
+    Under "auto" the first step walks (predicted faster), the second tries the dense path and is cut short
+    after its first forward and walked (``tree/dense_trials_cut``), and the third walks on both paths'
+    measured steps; the trained weights are a walked run's."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from trl_dta import TreePPOConfig, TreePPOTrainer
+    from trl_dta.testing.grpo import ScriptedGenerationMixin, make_config, make_trainer, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    config = Qwen3MoeConfig(vocab_size=151936, hidden_size=8, intermediate_size=32, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                            num_experts=4, num_experts_per_tok=2, eos_token_id=tokenizer.eos_token_id,
+                            pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    trainer_cls = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
+
+    def run(mode: str):
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM(config)
+        model.config._attn_implementation = "sdpa"
+        args = make_config(tmp_path / mode, config_cls=TreePPOConfig, per_device_train_batch_size=3,
+                           num_generations=3, num_iterations=1, max_steps=3, learning_rate=0.1,
+                           tree_dense_fallback=mode, tree_cost_cache=str(tmp_path / mode))  # fmt: skip
+        trainer = make_trainer(trainer_cls, args, model=model, num_prompts=3)
+        trainer.train()
+        logs = [h for h in trainer.state.log_history if "tree/path" in h]
+        return logs, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    logs, params = run("auto")
+    assert [h["tree/path"] for h in logs] == [0.0, 1.0, 0.0]  # (1: the dense path decided, then cut)
+    assert [h.get("tree/dense_trials_cut", 0.0) for h in logs] == [0.0, 1.0, 0.0]
+    assert logs[2]["tree/path_reason"] == 1.0  # (both measured: the dense path's scaled prediction slower)
+    assert logs[2]["tree/predicted_dense_s"] > 2 * logs[2]["tree/predicted_s"]
+    _, walked = run("never")
+    assert all(torch.equal(params[n], walked[n]) for n in walked)

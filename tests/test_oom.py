@@ -332,3 +332,102 @@ def test_router_counts_are_recovered_too():
     for node in ref.counts:
         assert torch.equal(got.counts[node], ref.counts[node])  # counted once, not twice
         assert torch.allclose(got.probs[node], ref.probs[node], rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- TRL's dense path (dense fallback)
+@pytest.mark.parametrize("at", [1, 2])  # the step's first micro-batch, or its second (the first's dropped)
+def test_a_dense_step_that_runs_out_of_memory_is_walked(tmp_path, model_dir, at):
+    """``tree_dense_fallback`` (here "always"): the dense forward of the first step's ``at``-th micro-batch
+    runs out of memory; the step's gradients are dropped and the step is walked from its first micro-batch:
+    the gradients of a walked run's first step (the same walk), the second step dense again."""
+    tree_cls = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
+
+    def run(name, mode, at):
+        recorder = GradRecorder()
+        config = make_config(
+            tmp_path / name, config_cls=TreePPOConfig, max_steps=2, tree_dense_fallback=mode,
+            gradient_accumulation_steps=2, per_device_train_batch_size=2,
+        )  # fmt: skip
+        trainer = make_trainer(tree_cls, config, model=model_dir, callbacks=[recorder])
+        with InjectOOM(trainer.model.model.layers[0], at, inside="_compute_loss") as oom:  # TRL's dense pass
+            trainer.train()
+        logs = [h for h in trainer.state.log_history if "tree/path" in h]
+        return trainer, recorder.grads, logs, oom
+
+    _, walked, _, _ = run("walked", "never", None)
+    _, dense, _, _ = run("dense", "always", None)
+    trainer, got, logs, oom = run("injected", "always", at)
+    assert oom.raised == 1 and trainer._walker.dense_oom_retries == 1
+    assert [h.get("tree/dense_oom_retries", 0.0) for h in logs] == [1.0, 0.0]
+    assert max_rel_diff(got[0], walked[0]) <= SAME_PLAN  # the step walked
+    assert max_rel_diff(got[1], dense[1]) <= OTHER_PLAN  # (its parameters: the walk's, within fp32 rounding)
+
+
+def test_a_dense_sft_step_that_runs_out_of_memory_is_walked(tmp_path):
+    """The same for ``TreeSFTTrainer``: the dense path's out-of-memory error at the first step's second
+    micro-batch; the step walked, its logged loss the walked run's."""
+
+    def run(name, mode, at):
+        config = make_sft_config(
+            tmp_path / name, config_cls=TreeSFTConfig, assistant_only_loss=True, tree_dense_fallback=mode,
+            per_device_train_batch_size=1, gradient_accumulation_steps=3,
+        )  # fmt: skip
+        trainer = TreeSFTTrainer(model=tiny_model(), args=config, train_dataset=tool_conversations(6),
+                                 processing_class=tiny_tokenizer())  # fmt: skip
+        with InjectOOM(trainer.model.model.layers[0], at, inside="compute_loss") as oom:
+            trainer.train()
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        return [h for h in trainer.state.log_history if "loss" in h], params, oom
+
+    walked_logs, walked, _ = run("walked", "never", None)
+    logs, params, oom = run("injected", "always", 2)
+    assert oom.raised == 1
+    assert [h.get("tree/dense_oom_retries", 0.0) for h in logs] == [1.0, 0.0]
+    assert logs[0]["loss"] == pytest.approx(walked_logs[0]["loss"], rel=1e-5)
+    dense_logs, dense, _ = run("dense", "always", None)
+    assert logs[1]["loss"] == pytest.approx(dense_logs[1]["loss"], rel=1e-5)
+    assert relative_error(params, walked) <= OTHER_PLAN
+
+
+def test_a_first_try_of_the_dense_path_far_slower_than_the_walk_is_cut_short(
+    tmp_path, model_dir, monkeypatch
+):
+    """A first try of the dense path whose first micro-batch's forward takes longer than twice the walk's
+    measured step is cut short (``StepWalker.dense_trial_too_slow``, forced here): the dense path is recorded
+    that slow and the step is walked, with a walked step's gradients (``tree/dense_trials_cut``)."""
+    from trl_dta.train.step import StepWalker
+
+    tree_cls = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
+    cut = []
+
+    def too_slow(self, started):
+        trial, self._trial = getattr(self, "_trial", False), False
+        cut.append(trial)
+        return trial  # (the first micro-batch of every first try: as if its forward had been that slow)
+
+    def forced_try(prefer_dense):  # (every dense step a first try: "auto" after a walked step, as it were)
+        def prefer(self, *args, **kwargs):
+            dense = prefer_dense(self, *args, **kwargs)
+            self._trial = dense and kwargs.get("timed", True)
+            return dense
+
+        return prefer
+
+    def run(name, mode):
+        recorder = GradRecorder()
+        config = make_config(
+            tmp_path / name, config_cls=TreePPOConfig, max_steps=1, tree_dense_fallback=mode,
+            gradient_accumulation_steps=2, per_device_train_batch_size=2,
+        )  # fmt: skip
+        trainer = make_trainer(tree_cls, config, model=model_dir, callbacks=[recorder])
+        trainer.train()
+        return trainer, recorder.grads
+
+    _, walked = run("walked", "never")
+    monkeypatch.setattr(StepWalker, "dense_trial_too_slow", too_slow)
+    monkeypatch.setattr(StepWalker, "prefer_dense", forced_try(StepWalker.prefer_dense))
+    trainer, got = run("cut", "always")
+    assert cut == [True]  # (checked once: the step's first dense micro-batch)
+    logs = [h for h in trainer.state.log_history if "tree/path" in h]
+    assert logs[0]["tree/dense_trials_cut"] == 1.0 and "tree/dense_oom_retries" not in logs[0]
+    assert max_rel_diff(got[0], walked[0]) <= SAME_PLAN

@@ -10,7 +10,7 @@ from math import nan
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
-from .ppo_async_loss import Decoupled, importance_sums, surrogate_sums
+from .ppo_async_loss import Decoupled, importance_sums, padded_logps, surrogate_sums
 
 TRL_MEANS = (
     "ratio",
@@ -125,3 +125,21 @@ def importance_weights(ranks: torch.Tensor, count: float) -> dict[str, float]:
         "decoupled/imp_weight_max": float(ranks[:, 2].max()) if count else nan,
         "decoupled/capped_ratio": float(ranks[:, 1].sum()) / count if count else nan,
     }
+
+
+def dense_micro_batch(
+    model, inputs, samples, loss_fn, temperature: float
+) -> tuple[MicroBatchWalk, torch.Tensor]:
+    """A micro-batch's loss by the dense path (one padded forward, with its graph: ``padded_logps``) and
+    its share for the metrics, as a walk's (``loss_fn``: its samples' :class:`ClippedSurrogate`)."""
+    logps, entropies = padded_logps(model, inputs, temperature)
+    walked, total = MicroBatchWalk([], [], [], 0.0), logps.sum() * 0.0  # (a zero with the graph)
+    for k, s in enumerate(samples):
+        lp, ent = logps[s.row, s.score_from :], entropies[s.row, s.score_from :]
+        total = total + loss_fn(k, lp)
+        positions = s.positions.to(lp.device)
+        walked.samples.append(s)
+        walked.logps.append(lp.detach()[positions])
+        walked.entropies.append(ent[positions])
+    walked.loss = float(total)
+    return walked, total

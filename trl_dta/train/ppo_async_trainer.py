@@ -50,6 +50,7 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
 from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset, _EmptyIterableDataset
 
 from .dense_fallback import StepClockCallback
+from .dense_retry import RetriesDenseSteps
 from .ppo_async_config import AsyncTreePPOConfig, check_async_arguments
 from .ppo_async_data import SampleBatcher, SampleCollator, VersionedQueue, same_batch
 from .ppo_async_loss import (
@@ -57,10 +58,9 @@ from .ppo_async_loss import (
     Decoupled,
     dense_loss,
     micro_batch_samples,
-    padded_logps,
     tokens_per_rank,
 )
-from .ppo_async_metrics import MicroBatchWalk, micro_batch_metrics
+from .ppo_async_metrics import MicroBatchWalk, dense_micro_batch, micro_batch_metrics
 from .ppo_async_values import SampleValueLoss, sample_targets
 from .ppo_value_model import ValueModelMixin
 from .refusals import check_arguments, rollout_length
@@ -68,7 +68,7 @@ from .step import StepSequence, StepWalker
 from .tree_args import PAPER
 
 
-class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
+class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
     """TRL's ``AsyncGRPOTrainer`` (same arguments) training on one prefix trie of each optimizer step's
     rollouts: shared prefixes are forwarded and backpropagated once, memory is bounded by one root-to-leaf
     path (the ``tree_*`` budgets), no sample is dropped for its length, any attention the walk supports
@@ -193,6 +193,7 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         start = time.time()
         if training and self._takes_dense_path(model, inputs):  # (tree_dense_fallback: the same gradient)
             walked, loss = self._dense_micro_batch(model, inputs)
+            self._dense_forward_done(time.perf_counter() - (time.time() - start))
             self._last_forward_time_s = time.time() - start
             self._log_micro_batch(inputs, walked)
             return loss  # (the Trainer backpropagates it)
@@ -225,7 +226,7 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
             return False
         if k >= len(batches) or not same_batch(batches[k], inputs):
             return False
-        if k == 0:
+        if k == 0 and not self._tree_pending:  # (pending: walked after its dense path ran out of memory)
             group = self._step_group(inputs)
             samples = [s for b, x in enumerate(group) for s in micro_batch_samples(x, b)]
             seqs = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
@@ -244,17 +245,7 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         normaliser = [tokens_per_rank(inputs, self.accelerator.num_processes)]
         loss_fn = ClippedSurrogate(samples, normaliser, self.epsilon_low, self.epsilon_high,
                                    self.current_gradient_accumulation_steps, self._decoupled)  # fmt: skip
-        logps, entropies = padded_logps(model, inputs, self.temperature)
-        walked, total = MicroBatchWalk([], [], [], 0.0), logps.sum() * 0.0  # (a zero with the graph)
-        for k, s in enumerate(samples):
-            lp, ent = logps[s.row, s.score_from :], entropies[s.row, s.score_from :]
-            total = total + loss_fn(k, lp)
-            positions = s.positions.to(lp.device)
-            walked.samples.append(s)
-            walked.logps.append(lp.detach()[positions])
-            walked.entropies.append(ent[positions])
-        walked.loss = float(total)
-        return walked, total
+        return dense_micro_batch(model, inputs, samples, loss_fn, self.temperature)
 
     def _walked_in_step(self, model, inputs) -> MicroBatchWalk:
         """This micro-batch's share of its optimizer step's walk: at the step's first micro-batch, walk
@@ -264,11 +255,23 @@ class AsyncTreePPOTrainer(ValueModelMixin, AsyncGRPOTrainer):
         k, batches = self._tree_position, self._step_batches
         self._tree_position += 1
         if k < len(batches) and same_batch(batches[k], inputs):
-            if k == 0:
+            if k == 0 and not self._tree_pending:
                 self._tree_pending = dict(enumerate(self._walk(model, self._step_group(inputs), True)))
             if k in self._tree_pending:
                 return self._tree_pending.pop(k)
         return self._walk(model, [inputs], True)[0]
+
+    def _dense_step_running(self) -> bool:
+        return self._tree_dense
+
+    def _walk_step_instead(self, model) -> None:
+        """The step's dense path ran out of memory at this micro-batch (RetriesDenseSteps): walk the step,
+        serve this micro-batch and the later ones from it."""
+        k, self._tree_dense = self._tree_position - 1, False
+        self._tree_pending = {
+            j: w for j, w in enumerate(self._walk(model, self._step_group(None), True)) if j >= k
+        }
+        self._tree_position = k
 
     def _walk(self, model, batches: list[dict], training: bool) -> list[MicroBatchWalk]:
         """One trie of the samples of ``batches`` (micro-batches of a step), each sample with its

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .ppo_rows import batch_rows
-from .step import SequenceResults, StepSequence
+from .step_results import SequenceResults, StepSequence
 
 
 class Owner(NamedTuple):

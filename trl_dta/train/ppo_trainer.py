@@ -31,6 +31,7 @@ saving. What changes:
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -41,6 +42,7 @@ from trl.trainer.utils import split_tensor_dict
 from ..vllm import VLLMMixin
 from . import ppo_repartition
 from .dense_fallback import StepClockCallback, refuse_always
+from .dense_retry import RetriesDenseSteps
 from .ppo_config import TreePPOConfig
 from .ppo_losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
 from .ppo_rows import concat_batches, take_rows
@@ -56,7 +58,7 @@ _MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatia
                "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
 
 
-class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
+class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer):
     """A drop-in replacement for ``trl.GRPOTrainer`` (same arguments) that trains on one prefix trie of each
     optimizer step's rollouts: shared prefixes are forwarded and backpropagated once, with exactly the
     dense gradients.
@@ -204,7 +206,9 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
             )
         mode = "train" if self.model.training else "eval"
         if mode == "train" and torch.is_grad_enabled() and self._takes_dense_path(model, inputs):
+            started = time.perf_counter()
             loss = GRPOTrainer._compute_loss(self, _DensePass(model), inputs)  # (TRL's own loss and backward)
+            self._dense_forward_done(started)
             return loss * self._padding_scale(inputs)
         if mode == "train" and torch.is_grad_enabled():
             walked = self._walked_in_step(model, inputs)
@@ -251,6 +255,7 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         ):
             return False
         if self._tree_position == 0 and index not in self._tree_pending:  # the step's first micro-batch
+            self._tree_first = index
             group = buffered[index : index + self.current_gradient_accumulation_steps]
             seqs, _ = step_sequences(group, keep_prompt_only=self.aux_loss_enabled)
             passes = float(self.top_entropy_quantile < 1.0) + float(self.aux_loss_enabled)
@@ -263,6 +268,18 @@ class TreePPOTrainer(VLLMMixin, ValueModelMixin, GRPOTrainer):
         if self._tree_dense:
             self._tree_position = 0 if self.accelerator.sync_gradients else self._tree_position + 1
         return self._tree_dense
+
+    def _dense_step_running(self) -> bool:
+        return self._tree_dense
+
+    def _walk_step_instead(self, model) -> None:
+        """The step's dense path ran out of memory at this micro-batch (:class:`RetriesDenseSteps`): walk the
+        step's micro-batches from its first, and serve this one and the later ones from the walk."""
+        index, first = self._step % self.args.steps_per_generation, self._tree_first
+        group = self._buffered_inputs[first : first + self.current_gradient_accumulation_steps]
+        walked = zip(range(first, first + len(group)), self._walk(model, group, training=True), strict=True)
+        self._tree_pending = {k: w for k, w in walked if k >= index}
+        self._tree_position, self._tree_dense = index - first, False
 
     def _padding_scale(self, inputs) -> float:
         """What TRL's loss of a re-partitioned micro-batch is multiplied by to keep the global objective: a

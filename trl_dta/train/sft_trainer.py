@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ import torch
 from trl import SFTTrainer
 
 from .dense_fallback import StepClockCallback
+from .dense_retry import RetriesDenseSteps
 from .refusals import check_arguments, sample_length
 from .sft_config import TreeSFTConfig
 from .sft_samples import Sample, batch_samples, num_input_tokens, trained_tokens
@@ -73,7 +75,7 @@ class _MicroBatch:
     aux: torch.Tensor | None = None  # MoE: its load-balancing loss (TRL's aux_loss metric)
 
 
-class TreeSFTTrainer(SFTTrainer):
+class TreeSFTTrainer(RetriesDenseSteps, SFTTrainer):
     """A drop-in replacement for ``trl.SFTTrainer`` (same arguments, datasets and collator) that trains on one
     prefix trie of each optimizer step's samples: shared prefixes (a system prompt and tool schemas, earlier
     turns of a conversation) are forwarded and backpropagated once, with exactly the dense gradients.
@@ -154,7 +156,10 @@ class TreeSFTTrainer(SFTTrainer):
         if return_outputs or not (self.model.training and torch.is_grad_enabled()):  # evaluation: TRL's
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if self._takes_dense_path(inputs, num_items_in_batch):  # (tree_dense_fallback: TRL's own loss)
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            started = time.perf_counter()
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self._dense_forward_done(started)
+            return loss
         walked = self._walked_in_step(model, inputs, num_items_in_batch)
         self._log_metrics(inputs, walked)
         self._walker.micro_batch_done(model)  # (DDP: the step's gradients averaged once)
@@ -203,6 +208,15 @@ class TreeSFTTrainer(SFTTrainer):
         if step.dense:
             step.served += 1
         return step.dense
+
+    def _dense_step_running(self) -> bool:
+        return self._tree_step is not None and bool(self._tree_step.dense)
+
+    def _walk_step_instead(self, model) -> None:
+        """The step's dense path ran out of memory at this micro-batch (:class:`RetriesDenseSteps`): it is
+        served again, from the walk of every micro-batch of the step."""
+        step = self._tree_step
+        step.dense, step.served, step.results = False, step.served - 1, None
 
     def _scales(self, batches, num_items) -> tuple[list[float], int]:
         """Per micro-batch, the factor of a summed token loss in TRL's loss value; and what the Trainer

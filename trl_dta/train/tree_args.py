@@ -107,10 +107,11 @@ class TreeArguments:
             the constants in use (shipped, cached or fitted in this run), from the first step, and take TRL's
             own dense path where it is faster by `tree_dense_margin`; `"never"`: always walk; `"always"`:
             always TRL's dense path (for comparison). The gradients are the same either way. Each step is
-            timed; once both paths were, the dense steps' measured over predicted seconds, relative to the
-            walked steps', scale the dense side's next predictions (`tree/dense_scale`). One process or
-            several under DDP (every rank takes the path the slowest rank's predictions choose: one
-            all-reduce a step); under DeepSpeed or FSDP every step walks. All three trainers, not with a
+            timed, and each path's measured over predicted seconds scale its next predictions; a path not
+            measured yet is explored once first, and again when the other's scale drifts past 2x
+            (`tree/path_reason`); a step whose dense path would not fit the free CUDA memory walks. One
+            process or several under DDP (every rank takes the path the slowest rank's predictions choose:
+            one all-reduce a step); under DeepSpeed or FSDP every step walks. All three trainers, not with a
             value model or `check_staleness_at_training`. Where every step walks, `"always"` is refused
             when the trainer is built.
         tree_dense_margin (`float`, defaults to 0.1):
