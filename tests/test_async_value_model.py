@@ -6,6 +6,8 @@ decoupled objective, ``async_dist_worker.py``) against one process's run of the 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_async_trainer import EPS_HIGH, EPS_LOW, TEMPERATURE, make_config, plain_model, rollouts, walk_grads
@@ -33,7 +35,9 @@ def make_critic(model_dir):
 
 
 def dense_reference(policy, critic, micro_batches, accumulation):
-    """Policy and value losses of a step, dense, per sample; the advantages and returns by GAE (γ = λ = 1)."""
+    """Policy and value losses of a step, dense, per sample; the advantages and returns by GAE (γ = λ = 1). A
+    sample with a NaN reward (unscorable) has no advantage and no value loss, and stays out of the
+    whitening; its tokens still count in its micro-batch's normaliser (TRL's)."""
     rows = [(s, torch.tensor([s.input_ids.tolist()]), torch.tensor(s.completion_mask[1:]).bool())
             for mb in micro_batches for s in mb]  # fmt: skip
     with torch.no_grad():
@@ -41,11 +45,15 @@ def dense_reference(policy, critic, micro_batches, accumulation):
     width = max(v.numel() for v in values)
     padded, mask, rewards = (torch.zeros(len(rows), width, dtype=torch.float64) for _ in range(3))
     for k, ((s, _, _), v) in enumerate(zip(rows, values, strict=True)):
+        if math.isnan(s.metrics["reward"]):
+            continue  # (mask 0: advantages and returns 0, out of the whitening)
         padded[k, : v.numel()], mask[k, : v.numel()] = v.double(), 1
         rewards[k, v.numel() - 1] = s.metrics["reward"]
     advantages, returns = reference_gae(padded, rewards, mask, 1.0, 1.0)
     on = mask.bool()
-    advantages = (advantages - advantages[on].mean()) / (advantages[on].std(unbiased=False) + 1e-8)
+    advantages = torch.where(
+        on, (advantages - advantages[on].mean()) / (advantages[on].std(unbiased=False) + 1e-8), 0.0
+    )
     policy_loss, value_loss, k = 0.0, 0.0, 0
     for mb in micro_batches:
         tokens = sum(int(torch.tensor(s.completion_mask[1:]).sum()) for s in mb)
@@ -60,15 +68,24 @@ def dense_reference(policy, critic, micro_batches, accumulation):
             per_token = -torch.min(ratio * adv, torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH) * adv)
             policy_loss = policy_loss + per_token.sum() / tokens / accumulation
             v = critic(input_ids=ids).logits[0, :-1, 0][trained]
-            value_loss = value_loss + (0.5 * (v - returns[k, :n].float()) ** 2).sum() / tokens / accumulation
+            scored = float(mask[k, 0])  # (an unscorable sample: no value loss)
+            value_loss = (
+                value_loss + scored * (0.5 * (v - returns[k, :n].float()) ** 2).sum() / tokens / accumulation
+            )
             k += 1
     return policy_loss, value_loss
 
 
-def test_policy_and_value_gradients_equal_a_dense_step(model_dir, tmp_path):
+@pytest.mark.parametrize("unscorable", [False, True])
+def test_policy_and_value_gradients_equal_a_dense_step(model_dir, tmp_path, unscorable):
+    """The step's gradients against the dense reference; ``unscorable``: one sample no reward function scored
+    (TRL's rollout worker: a NaN reward, an advantage of 0) gets no advantage and no value loss, as in
+    TreePPOTrainer (it once trained with advantages ``-V`` and returns 0)."""
     trainer = make_trainer(model_dir, tmp_path, make_critic(model_dir))
     critic = trainer._critic.model
     samples = rollouts(9, trainer.model, groups=2, per_group=3, versions=(0, 1))
+    if unscorable:
+        samples[1].metrics["reward"], samples[1].advantage = float("nan"), 0.0
     micro_batches = [samples[:3], samples[3:]]
     critic.zero_grad(set_to_none=True)
     grads, _, _ = walk_grads(trainer, micro_batches, accumulation=2)

@@ -19,6 +19,7 @@ advantage on it; with a value model that advantage is not used. At each optimize
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -38,13 +39,16 @@ def sample_targets(
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
     """Per sample, the advantages and returns of its trained tokens, by
     :func:`~trl_dta.train.ppo_values.value_targets` on the samples as rows (``values[k]``: sample ``k``'s
-    values at its trained tokens; its reward on the last one); and the step's ``value/*`` metrics."""
+    values at its trained tokens; its reward on the last one); and the step's ``value/*`` metrics. A sample
+    no reward function scored (TRL's rollout worker gives it a NaN reward) gets advantages and returns of 0
+    and stays out of the whitening and the metrics, as an unscorable rollout in
+    :class:`~trl_dta.TreePPOTrainer`: :func:`scorable` says which."""
     sizes = [v.numel() for v in values]
     device = values[0].device if values else torch.device("cpu")
     old = torch.zeros(len(values), max(sizes, default=0), device=device)
     mask = torch.zeros(old.shape, dtype=torch.long, device=device)
-    for k, v in enumerate(values):
-        old[k, : v.numel()], mask[k, : v.numel()] = v.float(), 1
+    for k, (s, v) in enumerate(zip(samples, values, strict=True)):
+        old[k, : v.numel()], mask[k, : v.numel()] = v.float(), int(scorable(s))
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64, device=device)
     fields, metrics = value_targets(mask, rewards, old, gamma=gamma, lam=lam,
                                     whiten_advantages=whiten_advantages,
@@ -57,16 +61,21 @@ def sample_targets(
     )
 
 
+def scorable(sample: AsyncSample) -> bool:
+    """Whether a reward function scored ``sample`` (TRL's rollout worker gives an unscorable one NaN)."""
+    return not math.isnan(sample.reward)
+
+
 class SampleValueLoss:
     """The value model's walk loss for a step's samples (``(k, values, _) -> scalar``): sample ``k``'s value
     loss at its trained tokens (:class:`~trl_dta.train.ppo_values.ValueRowLoss` on one row), over its
-    micro-batch's normaliser and the accumulation steps."""
+    micro-batch's normaliser and the accumulation steps; 0 for an unscorable sample (:func:`scorable`)."""
 
     def __init__(self, samples, old_values, returns, normalisers, accumulation, cliprange_value):
         self.samples = samples
         self.rows = [
             ValueRowLoss(
-                torch.ones(1, v.numel(), device=v.device),
+                torch.full((1, v.numel()), float(scorable(s)), device=v.device),
                 v[None],
                 r[None],
                 normalisers[s.batch] * accumulation,
