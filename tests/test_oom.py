@@ -431,3 +431,24 @@ def test_a_first_try_of_the_dense_path_far_slower_than_the_walk_is_cut_short(
     logs = [h for h in trainer.state.log_history if "tree/path" in h]
     assert logs[0]["tree/dense_trials_cut"] == 1.0 and "tree/dense_oom_retries" not in logs[0]
     assert max_rel_diff(got[0], walked[0]) <= SAME_PLAN
+
+
+@pytest.mark.parametrize("injected", ["policy", "value model"])
+def test_each_models_retries_are_logged_on_its_own_walk(tmp_path, injected):
+    """TreePPOTrainer with a value model: an out-of-memory error in one model's walk is recovered there and
+    counted on that model's metrics (``tree/oom_retries`` for the policy, ``value_tree/oom_retries`` for the
+    value model), not the other's (the value model's walk, inside the policy's, once took both)."""
+    from trl_dta import value_model_from
+
+    tree_cls = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
+    policy = tiny_model()
+    critic = value_model_from(policy)
+    config = make_config(tmp_path, config_cls=TreePPOConfig, max_steps=2, num_iterations=1)
+    trainer = make_trainer(tree_cls, config, model=policy, value_model=critic)
+    module = trainer.model if injected == "policy" else trainer._critic.model
+    with InjectOOM(layer0(module), at=1) as oom:
+        trainer.train()
+    assert oom.raised == 1
+    logs = [h for h in trainer.state.log_history if "tree/oom_retries" in h]
+    retries = [sum(h[f"{p}oom_retries"] for h in logs) for p in ("tree/", "value_tree/")]
+    assert retries == ([1.0, 0.0] if injected == "policy" else [0.0, 1.0])

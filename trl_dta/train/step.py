@@ -276,10 +276,6 @@ class StepWalker:
         ``accelerator.backward``, FSDP2 reduced in the walk)."""
         self.flow.after_micro_batch(model)
 
-    def take_oom_retries(self) -> int:
-        """Walks retried after running out of memory, over every executor, since the last call."""
-        return sum(e.take_oom_retries() for e in self.executors.values())
-
     def needs_idle_walks(self, model) -> bool:
         return self.flow.needs_idle_walks(self.accelerator.unwrap_model(model))
 

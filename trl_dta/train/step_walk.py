@@ -166,7 +166,7 @@ class StepWalk(AbstractContextManager):
         metrics[f"{p}time_s"].append(self.time_s)
         for name, value in executor.budgets.metrics().items():  # the budgets in use (derived or given)
             metrics[f"{p}{name}"].append(float(value))
-        metrics[f"{p}oom_retries"].append(float(self.walker.take_oom_retries()))
+        metrics[f"{p}oom_retries"].append(float(executor.take_oom_retries()))  # (this model's walks only)
         if self.peak_memory is not None:
             metrics[f"{p}peak_memory_gib"].append(self.peak_memory / 2**30)
         if executor.cost_model is not None:  # the constants in use, the last measured gradient walk
