@@ -136,3 +136,41 @@ def test_two_processes_with_a_value_model_equal_one(model_dir, tmp_path):
             assert relative_error(update, moved) <= 1e-4, name
     for key in ("value/loss", "decoupled/imp_weight_mean"):
         assert len([log for log in ranks[0]["logs"] if key in log]) == dist.STEPS, key
+
+
+def test_a_conversation_forked_into_rows_gets_its_episodes_advantages_at_gamma_and_lam_one(tmp_path):
+    """TRL's rollout worker can fork a multi-turn conversation into several rows, each with the episode's
+    reward. GAE per row at γ = λ = 1 gives every policy token the episode's advantage, R - V (each token is
+    trained in one row); below 1 it would not, so that combination is refused where rows can fork (tools,
+    environments, a custom worker)."""
+    from trl_dta.train.ppo_async_loss import AsyncSample
+    from trl_dta.train.ppo_async_values import check_episodes, sample_targets
+
+    def sample(n: int) -> AsyncSample:
+        return AsyncSample([0] * (n + 1), 0, 0, torch.arange(n), torch.zeros(n), 0.0, reward=2.0)
+
+    g = torch.Generator().manual_seed(0)
+    first, second = torch.randn(5, generator=g), torch.randn(3, generator=g)  # (each row's trained tokens)
+
+    def advantages(gamma, lam):
+        options = dict(gamma=gamma, lam=lam, whiten_advantages=False)
+        rows, _, _ = sample_targets([sample(5), sample(3)], [first, second], **options)
+        episode, _, _ = sample_targets([sample(8)], [torch.cat([first, second])], **options)
+        return torch.cat(rows), episode[0]
+
+    rows, episode = advantages(1.0, 1.0)
+    torch.testing.assert_close(rows, episode)
+    torch.testing.assert_close(episode, 2.0 - torch.cat([first, second]))
+    rows, episode = advantages(0.9, 0.95)
+    assert not torch.allclose(rows, episode)  # (why it is refused below 1)
+    args = make_config(tmp_path, gamma=0.99)
+    for given in ({"tools": [len]}, {"environment_factory": dict}, {"rollout_worker": object()}):
+        with pytest.raises(ValueError, match="gamma=1.0 and lam=1.0"):
+            check_episodes(args, given)
+    check_episodes(args, {"tools": None})  # (TRL's worker, single turn: one row per conversation)
+    check_episodes(make_config(tmp_path), {"tools": [len]})  # (γ = λ = 1: exact)
+
+
+def test_gae_below_one_with_rows_that_can_fork_is_refused_when_the_trainer_is_built(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="a custom rollout_worker"):
+        make_trainer(model_dir, tmp_path, make_critic(model_dir), lam=0.95)

@@ -41,6 +41,7 @@ model object instead of a path.
 
 from __future__ import annotations
 
+import inspect
 import time
 from contextlib import contextmanager
 
@@ -61,7 +62,7 @@ from .ppo_async_loss import (
     tokens_per_rank,
 )
 from .ppo_async_metrics import MicroBatchWalk, dense_micro_batch, micro_batch_metrics
-from .ppo_async_values import SampleValueLoss, sample_targets
+from .ppo_async_values import SampleValueLoss, check_episodes, sample_targets
 from .ppo_value_model import ValueModelMixin
 from .refusals import check_arguments, rollout_length
 from .step import StepSequence, StepWalker
@@ -108,6 +109,9 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
             args = AsyncTreePPOConfig(f"{model.rstrip('/').split('/')[-1]}-AsyncTreePPO")
         check_async_arguments(args)  # (before TRL's set-up; a plain AsyncGRPOConfig too)
         check_arguments(args, None, kwargs.get("peft_config"))
+        if value_model is not None:  # (rows of one conversation: ppo_async_values.check_episodes)
+            signature = inspect.signature(AsyncGRPOTrainer.__init__)
+            check_episodes(args, signature.bind(self, model, reward_funcs, args, *rest, **kwargs).arguments)
         with _peak_flops_off_cuda():
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
         if self.aux_loss_enabled:

@@ -28,6 +28,33 @@ from .ppo_async_loss import AsyncSample
 from .ppo_values import ValueRowLoss, value_targets
 
 
+def check_episodes(args, given: dict) -> None:
+    """Refuse GAE with ``gamma`` or ``lam`` below 1 where a conversation can reach the trainer as several
+    rows. TRL's rollout worker forks a multi-turn conversation into a new row when its re-tokenised prompt
+    drifts (``fork_threshold_tokens``), and stamps the episode's whole reward on each row; GAE here runs per
+    row, each row's last trained token taken as the episode's end. At ``gamma = lam = 1`` (the defaults)
+    that is exact: every policy token's advantage is the reward less its value, ``R - V_t``, in whichever
+    row it is trained, once. Below 1 each earlier row would be discounted from its own end, not the
+    episode's. Rows can fork where the worker runs tools or environments (multi-turn) or is a custom one
+    (its rows unknown); single-turn rollouts from TRL's worker are one row each. ``given``: the trainer's
+    arguments by name (``AsyncGRPOTrainer.__init__``'s)."""
+    gamma, lam = getattr(args, "gamma", 1.0), getattr(args, "lam", 1.0)
+    names = {
+        "tools": "tools",
+        "environment_factory": "environment_factory",
+        "rollout_worker": "a custom rollout_worker",
+    }
+    sources = [said for name, said in names.items() if given.get(name)]
+    if sources and (gamma < 1.0 or lam < 1.0):
+        raise ValueError(
+            f"AsyncTreePPOTrainer with a value model and gamma={gamma}, lam={lam}: with "
+            f"{' and '.join(sources)} a conversation can reach the trainer as several rows (TRL's rollout "
+            "worker forks one where its re-tokenised prompt drifts), each with the episode's whole reward, "
+            "and GAE would discount each row from its own end. Set gamma=1.0 and lam=1.0 (then every policy "
+            "token's advantage is the episode's, R - V), or use TreePPOTrainer."
+        )
+
+
 def sample_targets(
     samples: Sequence[AsyncSample],
     values: Sequence[torch.Tensor],
