@@ -73,7 +73,7 @@ OUT = REPO / "benchmarks" / "out"
 NO_CHUNKED_PREFILL = ("--max-num-seqs", "16", "--max-num-batched-tokens", str(16 * 2048))
 SIDES = ("sync", "async", "async_split")
 SERVER_CORE = 0  # async_split: the server's core (the trainer gets the others)
-# what the staleness comparison reads, per optimizer step (TRL's logs and ppo_async_metrics.py's)
+# what the staleness comparison reads, per optimizer step (TRL's logs and async_ppo/metrics.py's)
 PER_STEP = ("staleness/", "decoupled/", "clip_ratio/", "sample/", "perf/", "reward", "tree/", "tools/")
 PAPER_TRAIN_OVER_GENERATION = {"Qwen3-1.7B": 1.28, "Qwen3-8B": 2.28}
 
@@ -315,7 +315,7 @@ def paper(args) -> dict:
     GPUs, dense training and the walk (launch_model.py's predicted speedup), for engine utilisations u of the
     synchronous generation phase (1: no idle engine; below: the step waits on its slowest rollouts and tools,
     which the asynchronous queue fills with other requests). The decoupled objective's proximal log-probs:
-    free here (the walk's own, detached: ppo_async_loss.py); ``--proximal_pass`` prices the separate
+    free here (the walk's own, detached: async_ppo/loss.py); ``--proximal_pass`` prices the separate
     no-gradient forward AReaL runs for them (a share of the training work: 1/3, one forward of the three a
     forward and backward cost), the ``async_walk_proximal`` column."""
     if args.walk_speedup:  # launch_model.py's prediction, taken from where it was published

@@ -138,7 +138,7 @@ def _async_trainer(tree: bool, mode: str, steps: int, out_dir: str):
         synthetic_rollouts,
     )  # fmt: skip
     from trl_dta.testing.grpo import make_dataset, tiny_model, tiny_tokenizer
-    from trl_dta.train.ppo_async_trainer import _peak_flops_off_cuda
+    from trl_dta.train.async_ppo.trainer import _peak_flops_off_cuda
 
     model_dir = os.path.join(tempfile.gettempdir(), "low_sharing_async_model")
     if not os.path.isdir(model_dir):

@@ -24,7 +24,7 @@ from test_async_trainer import (
 )
 
 from trl_dta.compare import relative_error
-from trl_dta.train.ppo_async_loss import Decoupled
+from trl_dta.train.async_ppo.loss import Decoupled
 
 CAP = 1.3  # with behaviour log-probs 1.0 off the policy's, a third of the tokens are over it
 
@@ -236,7 +236,7 @@ def test_staleness_at_training_is_logged_and_checked_when_asked(model_dir, tmp_p
     leaves the loss (here: the trainer's version moved on after the queue's check)."""
     from test_async_trainer import as_example, tiny_tokenizer
 
-    from trl_dta.train.ppo_async_data import SampleCollator
+    from trl_dta.train.async_ppo.data import SampleCollator
 
     reference = plain_model(model_dir)
     samples = rollouts(5, reference, groups=2, per_group=3, versions=(0, 1, 2))

@@ -1,4 +1,4 @@
-"""The stale samples' metrics of :mod:`trl_dta.train.ppo_async_metrics` (``staleness/stale_*``): counted by
+"""The stale samples' metrics of :mod:`trl_dta.train.async_ppo.metrics` (``staleness/stale_*``): counted by
 hand on samples whose ratios sit on both sides of the clipping range and of the weight's cap, and the share
 of stale tokens "kept" equal to the tokens whose gradient the loss in use actually leaves non-zero."""
 
@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from trl_dta.train.ppo_async_loss import AsyncSample, ClippedSurrogate, Decoupled
-from trl_dta.train.ppo_async_metrics import MicroBatchWalk, micro_batch_metrics
+from trl_dta.train.async_ppo.loss import AsyncSample, ClippedSurrogate, Decoupled
+from trl_dta.train.async_ppo.metrics import MicroBatchWalk, micro_batch_metrics
 
 EPS_LOW, EPS_HIGH, VERSION, CAP = 0.2, 0.28, 3, 2.0
 

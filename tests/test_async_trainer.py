@@ -45,7 +45,7 @@ from trl_dta.testing.async_grpo import (
     trl_micro_batch,
 )
 from trl_dta.testing.grpo import make_dataset, tiny_model, tiny_tokenizer
-from trl_dta.train.ppo_async_data import SampleCollator
+from trl_dta.train.async_ppo.data import SampleCollator
 
 EPS_LOW, EPS_HIGH, TEMPERATURE = 0.2, 0.28, 0.9
 METRICS = ("ratio", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",

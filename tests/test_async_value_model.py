@@ -143,8 +143,8 @@ def test_a_conversation_forked_into_rows_gets_its_episodes_advantages_at_gamma_a
     reward. GAE per row at γ = λ = 1 gives every policy token the episode's advantage, R - V (each token is
     trained in one row); below 1 it would not, so that combination is refused where rows can fork (tools,
     environments, a custom worker)."""
-    from trl_dta.train.ppo_async_loss import AsyncSample
-    from trl_dta.train.ppo_async_values import check_episodes, sample_targets
+    from trl_dta.train.async_ppo.loss import AsyncSample
+    from trl_dta.train.async_ppo.values import check_episodes, sample_targets
 
     def sample(n: int) -> AsyncSample:
         return AsyncSample([0] * (n + 1), 0, 0, torch.arange(n), torch.zeros(n), 0.0, reward=2.0)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trl import GRPOTrainer
 
-from trl_dta.train.ppo_losses import LOSS_TYPES, LossSettings, RowLoss
+from trl_dta.train.ppo.losses import LOSS_TYPES, LossSettings, RowLoss
 
 B, T = 5, 7
 

@@ -19,7 +19,7 @@ from trl_dta.testing.grpo import (
     tiny_model,
     tiny_tokenizer,
 )
-from trl_dta.train.ppo_rows import batch_rows
+from trl_dta.train.ppo.rows import batch_rows
 
 TreeScripted = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
 TOL = 1e-4
@@ -169,7 +169,7 @@ def test_the_value_model_learns_each_leafs_own_target_on_a_shared_prefix():
 
     from accelerate import Accelerator
 
-    from trl_dta.train.ppo_values import ValueRowLoss
+    from trl_dta.train.critic.gae import ValueRowLoss
     from trl_dta.train.step import StepSequence, StepWalker
 
     critic = value_model_from(tiny_model()).eval()  # (its head's dropout off)

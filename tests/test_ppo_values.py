@@ -1,4 +1,4 @@
-"""PPO's value arithmetic (trl_dta/train/ppo_values.py) against references written here independently: GAE as
+"""PPO's value arithmetic (trl_dta/train/critic/gae.py) against references written here independently: GAE as
 a loop over each rollout's policy tokens (tool-response holes removed first), whitening by torch's own
 statistics, the clipped value loss term by term. fp64, ≤ 1e-12."""
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_dta.train.ppo_values import clipped_value_loss, gae, whiten
+from trl_dta.train.critic.gae import clipped_value_loss, gae, whiten
 
 
 def reference_gae(values, rewards, mask, gamma, lam):

@@ -313,7 +313,7 @@ def test_randomness_no_setting_names_is_refused_at_construction(tmp_path):
 
 
 def test_refuses_unknown_model_inputs():
-    from trl_dta.train.sft_samples import batch_samples
+    from trl_dta.train.sft.samples import batch_samples
 
     ids = torch.tensor([[5, 6, 7]])
     with pytest.raises(ValueError, match="token_type_ids"):

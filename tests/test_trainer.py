@@ -19,8 +19,8 @@ from trl_dta.testing.grpo import (
     tiny_model,
     tiny_tokenizer,
 )
-from trl_dta.train.ppo_losses import LOSS_TYPES
-from trl_dta.train.ppo_rows import batch_rows
+from trl_dta.train.ppo.losses import LOSS_TYPES
+from trl_dta.train.ppo.rows import batch_rows
 
 TreeScripted = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
 TOL = 1e-4  # per tensor max|diff| / max|reference|, fp32

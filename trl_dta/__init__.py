@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .partition import LexicographicPartitionSampler, lexicographic_partition
-    from .train.ppo_async_config import AsyncTreePPOConfig
-    from .train.ppo_async_trainer import AsyncTreePPOTrainer
-    from .train.ppo_config import TreePPOConfig
-    from .train.ppo_critic import value_model_from
-    from .train.ppo_trainer import TreePPOTrainer
-    from .train.sft_config import TreeSFTConfig
-    from .train.sft_trainer import TreeSFTTrainer
+    from .train.async_ppo.config import AsyncTreePPOConfig
+    from .train.async_ppo.trainer import AsyncTreePPOTrainer
+    from .train.critic.model import value_model_from
+    from .train.ppo.config import TreePPOConfig
+    from .train.ppo.trainer import TreePPOTrainer
+    from .train.sft.config import TreeSFTConfig
+    from .train.sft.trainer import TreeSFTTrainer
     from .trie import PrefixTrie
     from .walk.errors import UnsupportedModelError
     from .walk.executor import TreeExecutor
@@ -32,18 +32,18 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AsyncTreePPOConfig": "trl_dta.train.ppo_async_config",
-    "AsyncTreePPOTrainer": "trl_dta.train.ppo_async_trainer",
+    "AsyncTreePPOConfig": "trl_dta.train.async_ppo.config",
+    "AsyncTreePPOTrainer": "trl_dta.train.async_ppo.trainer",
     "LexicographicPartitionSampler": "trl_dta.partition",
     "PrefixTrie": "trl_dta.trie",
     "TreeExecutor": "trl_dta.walk.executor",
-    "TreePPOConfig": "trl_dta.train.ppo_config",
-    "TreePPOTrainer": "trl_dta.train.ppo_trainer",
-    "TreeSFTConfig": "trl_dta.train.sft_config",
-    "TreeSFTTrainer": "trl_dta.train.sft_trainer",
+    "TreePPOConfig": "trl_dta.train.ppo.config",
+    "TreePPOTrainer": "trl_dta.train.ppo.trainer",
+    "TreeSFTConfig": "trl_dta.train.sft.config",
+    "TreeSFTTrainer": "trl_dta.train.sft.trainer",
     "UnsupportedModelError": "trl_dta.walk.errors",
     "lexicographic_partition": "trl_dta.partition",
-    "value_model_from": "trl_dta.train.ppo_critic",
+    "value_model_from": "trl_dta.train.critic.model",
 }
 
 __all__ = [

@@ -54,7 +54,7 @@ def load_balancing_loss(
 def step_router_grad(executor, trie: PrefixTrie, owners, coef: float, auxes: list, aux_terms: list) -> dict:
     """A step's walk of several micro-batches: each micro-batch's load-balancing loss (into ``auxes``, times
     ``coef`` into ``aux_terms``), and the summed per-node vectors the walk backpropagates (``router_grad``);
-    ``owners``: each trie sequence's :class:`~trl_dta.train.ppo_step.Owner`."""
+    ``owners``: each trie sequence's :class:`~trl_dta.train.ppo.sequences.Owner`."""
     stats = executor.router_stats(trie)
     router_grad: dict = {}
     for b in range(len(auxes)):

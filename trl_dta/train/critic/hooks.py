@@ -8,11 +8,11 @@ model every hook passes through. With one:
   reward functions, weighted and summed, kept by :meth:`_calculate_rewards`) go on each rollout's last
   policy token; the old values come from one no-gradient walk of the value model on the batch's trie; GAE
   per rollout over the policy's own tokens (tool responses skipped) gives per-token advantages and returns
-  (:func:`~trl_dta.train.ppo_values.value_targets`), whitened over every process. The batch's
+  (:func:`~trl_dta.train.critic.gae.value_targets`), whitened over every process. The batch's
   ``advantages`` become these ``(B, T)`` ones: TRL's loss reads them as they are, for every ``loss_type``.
 * **Training** (:meth:`_walk_value_model`, inside each step's walk): the value model is walked on the same
   trie and the same sequences as the policy, by its own executor, with the clipped value loss of each
-  sequence (:class:`~trl_dta.train.ppo_values.ValueRowLoss`); its optimizer steps after the step's last
+  sequence (:class:`~trl_dta.train.critic.gae.ValueRowLoss`); its optimizer steps after the step's last
   micro-batch (:meth:`_value_model_step`: gradients averaged over processes, clipped on their own).
 * **Checkpoints**: the value model is saved beside the policy (``value_model/`` in the checkpoint and in
   ``output_dir``), with its optimizer and scheduler states, and restored on resume.
@@ -26,17 +26,17 @@ from __future__ import annotations
 
 import torch
 
-from .dense_fallback import refuse_always
-from .ppo_critic import Critic, load_value_model
-from .ppo_losses import loss_mask
-from .ppo_step import RowLosses, scatter, step_sequences
-from .ppo_values import ValueRowLoss, value_targets
-from .refusals import check_value_model, rollout_length
+from ..dense_fallback import refuse_always
+from ..ppo.losses import loss_mask
+from ..ppo.sequences import RowLosses, scatter, step_sequences
+from ..refusals import check_value_model, rollout_length
+from .gae import ValueRowLoss, value_targets
+from .model import Critic, load_value_model
 
 
 class ValueModelMixin:
     """The value-model hooks of a GRPO trainer (module docstring). ``self._critic``: the
-    :class:`~trl_dta.train.ppo_critic.Critic`, or None."""
+    :class:`~trl_dta.train.critic.model.Critic`, or None."""
 
     _critic: Critic | None = None
 

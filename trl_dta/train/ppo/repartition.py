@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..partition import lexicographic_partition
-from .ppo_rows import BATCH_WIDE, PER_TOKEN, PROMPT, batch_rows, concat_batches, take_rows
+from ...partition import lexicographic_partition
+from .rows import BATCH_WIDE, PER_TOKEN, PROMPT, batch_rows, concat_batches, take_rows
 
 SUPPORTED = {*PROMPT, *PER_TOKEN, *BATCH_WIDE}
 
 
 def partition_sequences(batch: dict) -> list[list[int]]:
-    """Each row's tokens for partitioning (:func:`trl_dta.train.ppo_rows.batch_rows`; a row without a
+    """Each row's tokens for partitioning (:func:`trl_dta.train.ppo.rows.batch_rows`; a row without a
     completion is its prompt, so it stays next to its group)."""
     return [row.tokens for row in batch_rows(batch)]
 

@@ -3,7 +3,7 @@ terminal reward on each rollout's last policy token, generalised advantage estim
 whitening, the clipped value loss, and that loss per row for the walk (:class:`ValueRowLoss`).
 
 All three work on padded ``(B, T)`` completion tensors with a ``mask`` of the tokens the policy produced
-(TRL's :func:`~trl_dta.train.ppo_losses.loss_mask`: completion tokens, less the tool-response tokens of a
+(TRL's :func:`~trl_dta.train.ppo.losses.loss_mask`: completion tokens, less the tool-response tokens of a
 multi-turn rollout). Masked-out positions are *holes*, not steps: a tool's response is the environment's
 move, so GAE runs over the policy's own tokens only, each one's next state being the policy's next token
 (AReaL skips them the same way). The value of the token after the last one is 0: a rollout ends there.
@@ -167,7 +167,7 @@ def value_targets(
         mask: ``(B, T)`` the tokens the policy produced (TRL's loss mask).
         rewards: ``(B,)`` each rollout's reward, put on its last policy token (:func:`terminal_rewards`).
         old_values: ``(B, T)`` the value model's values before the step's updates.
-        gamma, lam, whiten_advantages: :class:`~trl_dta.train.ppo_value_args.ValueArguments`'.
+        gamma, lam, whiten_advantages: :class:`~trl_dta.train.critic.args.ValueArguments`'.
         sum_over_processes: sums a tensor over the processes (whitening and the metrics over the whole
             generation batch); None: one process.
 

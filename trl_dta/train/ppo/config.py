@@ -1,5 +1,5 @@
 """TreePPOConfig: TRL's GRPOConfig plus the tree walk's options (the shared ones in ``tree_args.py``) and
-those of PPO with a value model (``ppo_value_args.py``)."""
+those of PPO with a value model (``critic/args.py``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .ppo_value_args import ValueArguments
-from .tree_args import TreeArguments, check_flag
+from ..critic.args import ValueArguments
+from ..tree_args import TreeArguments, check_flag
 
 
 @dataclass
@@ -22,7 +22,7 @@ class TreePPOConfig(TreeArguments, ValueArguments, GRPOConfig):
             :class:`~trl_dta.TreeSFTConfig`: :class:`~trl_dta.train.tree_args.TreeArguments` documents them.
         gamma, lam, cliprange_value, whiten_advantages, value_learning_rate, value_max_grad_norm:
             PPO with a value model (the trainer's `value_model`; not read without one):
-            :class:`~trl_dta.train.ppo_value_args.ValueArguments` documents them (docs/ppo-critic.md).
+            :class:`~trl_dta.train.critic.args.ValueArguments` documents them (docs/ppo-critic.md).
         tree_lexicographic_steps (`bool`, defaults to `False`):
             Opt-in. Instead of TRL's random shuffle, order each generation batch lexicographically (rows that
             share a prefix become neighbours) and cut it into micro-batches in that order, so each optimizer

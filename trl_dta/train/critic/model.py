@@ -20,7 +20,7 @@ import os
 import torch
 from torch import nn
 
-from ..walk.model import output_head
+from ...walk.model import output_head
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class Critic:
 
     Args:
         model: the value model (checked by the walk when the trainer is built).
-        args: the trainer's config (:class:`~trl_dta.train.ppo_value_args.ValueArguments` and TRL's
+        args: the trainer's config (:class:`~trl_dta.train.critic.args.ValueArguments` and TRL's
             optimizer options).
         accelerator: the trainer's; with several processes the value model's weights are broadcast from
             process 0, so that every rank starts from the same ones.

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ..walk.checks import SUPPORTED_ATTENTION
-from .dense_fallback import refuse_always
-from .ppo_value_args import ValueArguments
-from .tree_args import TreeArguments, check_flag
+from ...walk.checks import SUPPORTED_ATTENTION
+from ..critic.args import ValueArguments
+from ..dense_fallback import refuse_always
+from ..tree_args import TreeArguments, check_flag
 
 
 @dataclass
@@ -25,10 +25,10 @@ class AsyncTreePPOConfig(TreeArguments, ValueArguments, AsyncGRPOConfig):
             with :class:`~trl_dta.TreePPOConfig`: :class:`~trl_dta.train.tree_args.TreeArguments` documents
             them. The budgets bound the memory of a step's walk (one root-to-leaf path at a time); they
             replace TRL's ``token_budget``. ``tree_check_gradients`` compares the first step with the dense
-            loss of :func:`~trl_dta.train.ppo_async_loss.dense_loss` (a plain forward per sample).
+            loss of :func:`~trl_dta.train.async_ppo.loss.dense_loss` (a plain forward per sample).
         gamma, lam, cliprange_value, whiten_advantages, value_learning_rate, value_max_grad_norm:
             PPO with a value model (the trainer's `value_model`; not read without one):
-            :class:`~trl_dta.train.ppo_value_args.ValueArguments` documents them (docs/ppo-critic.md).
+            :class:`~trl_dta.train.critic.args.ValueArguments` documents them (docs/ppo-critic.md).
         tree_attn_implementation (`str`, defaults to `"sdpa"`):
             The attention the policy runs under. TRL's trainer loads the model with its FA3 tree-packing
             kernel (fetched from a kernel hub at the first forward, CUDA only); this trainer switches the

@@ -5,7 +5,7 @@ back in TRL's (B, T) shapes.
 :func:`step_sequences` turns the rows of several micro-batches into the walk's sequences
 (:class:`~trl_dta.train.step.StepSequence`) and records, per sequence, its :class:`Owner` (micro-batch, row,
 prompt length). :class:`RowLosses` is the walk's loss function: a row's loss by its micro-batch's
-:class:`~trl_dta.train.ppo_losses.RowLoss`. :func:`walked_batches` reads the step's
+:class:`~trl_dta.train.ppo.losses.RowLoss`. :func:`walked_batches` reads the step's
 :class:`~trl_dta.train.step.SequenceResults` (kept by sequence: a walk run again after running out of memory
 overwrites them) into one :class:`Walked` per micro-batch.
 """
@@ -18,8 +18,8 @@ from typing import NamedTuple
 
 import torch
 
-from .ppo_rows import batch_rows
-from .step_results import SequenceResults, StepSequence
+from ..step_results import SequenceResults, StepSequence
+from .rows import batch_rows
 
 
 class Owner(NamedTuple):

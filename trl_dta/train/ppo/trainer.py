@@ -6,8 +6,8 @@ saving. What changes:
 
 * ``compute_loss``: at the first micro-batch of each optimizer step, the rows of *all* the step's
   micro-batches (TRL's buffered, shuffled micro-batches) go into one prefix trie, walked once through the
-  step seam (:class:`~trl_dta.train.step.StepWalker`; :mod:`trl_dta.train.ppo_step`); each row's loss is
-  :class:`~trl_dta.train.ppo_losses.RowLoss` with the constants of the micro-batch TRL put it in, so the
+  step seam (:class:`~trl_dta.train.step.StepWalker`; :mod:`trl_dta.train.ppo.sequences`); each row's loss is
+  :class:`~trl_dta.train.ppo.losses.RowLoss` with the constants of the micro-batch TRL put it in, so the
   accumulated gradient is exactly TRL's, for every loss type. The gradients land in ``.grad`` during the
   walk. Each micro-batch's ``compute_loss`` then runs TRL's ``_compute_loss`` on that micro-batch's
   (detached) walk values, passed in place of the model: it logs TRL's metrics, advances TRL's
@@ -24,7 +24,7 @@ saving. What changes:
   parameters once and FSDP2 reduce-scatters once per walk (:mod:`trl_dta.walk.sharding`); under DeepSpeed
   ZeRO-2/3 the walk gathers once (ZeRO-3) and DeepSpeed reduces once per optimizer step
   (:mod:`trl_dta.walk.deepspeed`). FSDP1 is refused. With several processes the step's rollouts are first
-  re-split across ranks (:mod:`trl_dta.train.ppo_repartition`), except for losses with per-micro-batch
+  re-split across ranks (:mod:`trl_dta.train.ppo.repartition`), except for losses with per-micro-batch
   statistics (bnpo, ``top_entropy_quantile``, the entropy bonus).
 """
 
@@ -39,18 +39,18 @@ import torch
 from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
-from ..vllm import VLLMMixin
-from . import ppo_repartition
-from .dense_fallback import StepClockCallback, refuse_always
-from .dense_retry import RetriesDenseSteps
-from .ppo_config import TreePPOConfig
-from .ppo_losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
-from .ppo_rows import concat_batches, take_rows
-from .ppo_step import RowLosses, Walked, scatter, step_sequences, walked_batches
-from .ppo_value_model import ValueModelMixin
-from .refusals import check_arguments, rollout_length
-from .step import StepWalker
-from .tree_args import PAPER
+from ...vllm import VLLMMixin
+from ..critic.hooks import ValueModelMixin
+from ..dense_fallback import StepClockCallback, refuse_always
+from ..dense_retry import RetriesDenseSteps
+from ..refusals import check_arguments, rollout_length
+from ..step import StepWalker
+from ..tree_args import PAPER
+from .config import TreePPOConfig
+from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
+from .repartition import partition_sequences, repartition
+from .rows import concat_batches, take_rows
+from .sequences import RowLosses, Walked, scatter, step_sequences, walked_batches
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
         args: should be a :class:`~trl_dta.TreePPOConfig` (a plain ``GRPOConfig`` gets the tree options'
             defaults; ``None`` makes a ``TreePPOConfig``).
         value_model (keyword): ``None`` (default): TRL's group-relative advantages, no critic. Else PPO with a
-            value model (:mod:`trl_dta.train.ppo_value_model`, docs/ppo-critic.md): a Hub id or path (a
+            value model (:mod:`trl_dta.train.critic.hooks`, docs/ppo-critic.md): a Hub id or path (a
             ``*ForTokenClassification`` with ``num_labels=1`` loaded with ``model_init_kwargs``; a causal
             LM's checkpoint, the policy's own for a warm start, gets a zero head), or a module (a
             ``*ForTokenClassification``, or a PEFT model of one; :func:`~trl_dta.value_model_from` builds one
@@ -128,7 +128,7 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
     def _generate_and_score_completions(self, inputs):
         output = self._value_targets(super()._generate_and_score_completions(inputs))
         if self._repartition and self.model.training:
-            output, info = ppo_repartition.repartition(output, multiple=self.args.steps_per_generation)
+            output, info = repartition(output, multiple=self.args.steps_per_generation)
             self._metrics["train"]["tree/rank_rows"].append(info["rows"])
             self._metrics["train"]["tree/rank_padding_rows"].append(info["padded_rows"])
         return output
@@ -148,7 +148,7 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
     def _lexicographic(self, micro_batches: list[dict]) -> list[dict]:
         """TRL's shuffled micro-batches of a generation batch, re-cut in lexicographic order of the rows."""
         merged = concat_batches(micro_batches)
-        seqs = ppo_repartition.partition_sequences(merged)
+        seqs = partition_sequences(merged)
         order = sorted(range(len(seqs)), key=seqs.__getitem__)
         return split_tensor_dict(take_rows(merged, order), len(micro_batches))
 
@@ -284,7 +284,7 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
     def _padding_scale(self, inputs) -> float:
         """What TRL's loss of a re-partitioned micro-batch is multiplied by to keep the global objective: a
         row-normalised loss divides by the micro-batch's rows, its zero-weight padding rows counted, where the
-        walk divides by the configured rows (ppo_repartition.py); so rows over configured there, else 1."""
+        walk divides by the configured rows (ppo/repartition.py); so rows over configured there, else 1."""
         rows, configured = inputs["completion_mask"].shape[0], self.args.per_device_train_batch_size
         return rows / configured if self._padded(inputs) and self.loss_type in ROW_NORMALISED else 1.0
 

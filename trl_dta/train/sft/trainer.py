@@ -6,7 +6,7 @@ accumulation, logging, evaluation, checkpointing, saving. What changes:
 
 * :meth:`get_batch_samples` (where the Trainer fetches an optimizer step's micro-batches before training on
   them) keeps the step's micro-batches; at the step's first ``compute_loss`` every sample of all of them
-  goes into one prefix trie (:mod:`trl_dta.train.sft_samples`: a row, or each sample of a padding-free row),
+  goes into one prefix trie (:mod:`trl_dta.train.sft.samples`: a row, or each sample of a padding-free row),
   walked once through the step seam (:class:`~trl_dta.train.step.StepWalker`, which also runs
   :class:`~trl_dta.TreePPOTrainer`'s steps). Each sample's loss is TRL's terms for its tokens (``nll`` or
   ``dft``) with the normaliser of its micro-batch (``num_items_in_batch`` across accumulation and ranks, or
@@ -41,13 +41,13 @@ from dataclasses import dataclass
 import torch
 from trl import SFTTrainer
 
-from .dense_fallback import StepClockCallback
-from .dense_retry import RetriesDenseSteps
-from .refusals import check_arguments, sample_length
-from .sft_config import TreeSFTConfig
-from .sft_samples import Sample, batch_samples, num_input_tokens, trained_tokens
-from .step import StepSequence, StepWalk, StepWalker
-from .tree_args import PAPER
+from ..dense_fallback import StepClockCallback
+from ..dense_retry import RetriesDenseSteps
+from ..refusals import check_arguments, sample_length
+from ..step import StepSequence, StepWalk, StepWalker
+from ..tree_args import PAPER
+from .config import TreeSFTConfig
+from .samples import Sample, batch_samples, num_input_tokens, trained_tokens
 
 # the accuracy pass: at this temperature the label's log-prob is > -(log V + 1) iff it is the top-1 token
 # (unless its logit is within ~1e-5 of the top one: a tie up to float rounding)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
-from .tree_args import TreeArguments, check_flag
+from ..tree_args import TreeArguments, check_flag
 
 
 @dataclass

@@ -27,7 +27,7 @@ the stale token keeps its gradient, weighted, where the coupled objective clips 
 :func:`dense_loss` computes the proximal log-probs by a separate no-gradient forward, so the tests check
 that claim.
 
-:func:`micro_batch_samples` reads a collated micro-batch (:mod:`trl_dta.train.ppo_async_data`) into
+:func:`micro_batch_samples` reads a collated micro-batch (:mod:`trl_dta.train.async_ppo.data`) into
 :class:`AsyncSample` records; :func:`dense_loss` is the same loss by a plain forward of each sample (the
 reference the tests and ``tree_check_gradients`` compare the walk against); :func:`surrogate_sums` the sums
 behind TRL's metrics (ratio, kl, entropy, clip ratios).
@@ -62,7 +62,7 @@ def tokens_per_rank(inputs: dict, world_size: int = 1) -> float:
 
 
 def micro_batch_samples(inputs: dict, batch: int = 0) -> list[AsyncSample]:
-    """The samples of a collated micro-batch (:class:`~trl_dta.train.ppo_async_data.SampleCollator`'s keys)
+    """The samples of a collated micro-batch (:class:`~trl_dta.train.async_ppo.data.SampleCollator`'s keys)
     that have a trained token; a sample without one (a zero-weight row among them) adds no loss term, so the
     walk leaves it out."""
     keys = ("input_ids", "completion_mask", "old_log_probs", "advantages", "lengths")

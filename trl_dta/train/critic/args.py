@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..walk.errors import ArgumentTypeError
-from .tree_args import check_flag
+from ...walk.errors import ArgumentTypeError
+from ..tree_args import check_flag
 
 
 @dataclass

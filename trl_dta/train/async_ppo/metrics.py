@@ -10,7 +10,7 @@ from math import nan
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
-from .ppo_async_loss import Decoupled, importance_sums, padded_logps, surrogate_sums
+from .loss import Decoupled, importance_sums, padded_logps, surrogate_sums
 
 TRL_MEANS = (
     "ratio",
@@ -48,7 +48,7 @@ def micro_batch_metrics(walked: MicroBatchWalk, accelerator, epsilon_low: float,
             (per_sample[:, 3] / per_sample[:, 6]).min(), (per_sample[:, 4] / per_sample[:, 6]).max()
         ])  # fmt: skip
     parts = [per_sample.sum(0), extremes]  # (7 sums, 2 extremes; then 3 and 4 more values)
-    if decoupled is not None:  # the walk's log-probs are the proximal policy's (ppo_async_loss.py)
+    if decoupled is not None:  # the walk's log-probs are the proximal policy's (async_ppo/loss.py)
         parts.append(importance_local(walked, decoupled, device))
     if version is not None:
         parts.append(stale_local(walked, per_sample, decoupled, version, device))
@@ -90,7 +90,7 @@ def stale_metrics(sums: torch.Tensor, decoupled: Decoupled | None) -> dict[str, 
     with the decoupled objective the share over the weight's cap (``staleness/stale_capped_ratio``), and the
     share whose gradient the objective in use keeps (``staleness/stale_kept_ratio``: coupled, not clipped;
     decoupled, not masked by the cap, all of them with ``"truncate"``; the decoupled ratio against the
-    proximal policy clips nothing, ppo_async_loss.py)."""
+    proximal policy clips nothing, async_ppo/loss.py)."""
     tokens, clipped, over, count = sums.tolist()
     out = {"staleness/stale_token_share": tokens / count if count else nan}
     share = (lambda n: n / tokens) if tokens else (lambda n: nan)

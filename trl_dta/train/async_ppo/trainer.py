@@ -13,7 +13,7 @@ ratios, ``perf/*``, ``batch/*``, ``sample/*``). What changes:
   is fetched only at a forward, so none is ever fetched) and the fused-head forward, an instance attribute,
   is removed (the walk runs the backbone and the LM head itself). Loading twice, or patching TRL's module,
   would be the alternatives; this is the one that keeps TRL's loading (dtype, PEFT, pad tokens) as is.
-* **Micro-batches** (:mod:`trl_dta.train.ppo_async_data`): ``per_device_train_batch_size`` samples per
+* **Micro-batches** (:mod:`trl_dta.train.async_ppo.data`): ``per_device_train_batch_size`` samples per
   rank each, in queue order, none dropped for length (TRL's ``token_budget`` is refused). With several
   processes (DDP), each micro-batch is split across ranks by the contiguous lexicographic partition
   (:func:`~trl_dta.lexicographic_partition`) instead of TRL's greedy least-loaded rows; ranks with fewer
@@ -22,14 +22,14 @@ ratios, ``perf/*``, ``batch/*``, ``sample/*``). What changes:
 * **The step** (``compute_loss``): at the first micro-batch of an optimizer step, the samples of all its
   micro-batches (``get_batch_samples`` keeps them) become one trie walked by
   :class:`~trl_dta.train.step.StepWalker`; each sample's loss is
-  :class:`~trl_dta.train.ppo_async_loss.ClippedSurrogate`, its share of TRL's loss with its own behaviour
+  :class:`~trl_dta.train.async_ppo.loss.ClippedSurrogate`, its share of TRL's loss with its own behaviour
   log-probs and its micro-batch's normaliser, so the accumulated gradient is TRL's loss's, exactly. Samples
   of different policy versions share prefixes in the trie and keep their own importance weights. Each
   ``compute_loss`` then logs TRL's metrics of its micro-batch from the walk's values and returns its loss
   value (gradients are in ``.grad``).
 * **Options beyond TRL's** (docs/async.md): AReaL's decoupled objective (``use_decoupled_loss``,
-  :mod:`~trl_dta.train.ppo_async_loss`), the staleness bound checked again when a sample trains
-  (``check_staleness_at_training``), a value model (``value_model=``, :mod:`~trl_dta.train.ppo_async_values`)
+  :mod:`~trl_dta.train.async_ppo.loss`), the staleness bound checked again when a sample trains
+  (``check_staleness_at_training``), a value model (``value_model=``, :mod:`~trl_dta.train.async_ppo.values`)
   and the dense path on steps the cost model predicts slower to walk (``tree_dense_fallback``).
 
 Tested: one process, and two DDP processes (gloo, CPU). FSDP2 goes through the walk's FSDP2 flow
@@ -50,23 +50,23 @@ from torch.utils.data import DataLoader
 from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
 from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset, _EmptyIterableDataset
 
-from .dense_fallback import StepClockCallback
-from .dense_retry import RetriesDenseSteps
-from .ppo_async_config import AsyncTreePPOConfig, check_async_arguments
-from .ppo_async_data import SampleBatcher, SampleCollator, VersionedQueue, same_batch
-from .ppo_async_loss import (
+from ..critic.hooks import ValueModelMixin
+from ..dense_fallback import StepClockCallback
+from ..dense_retry import RetriesDenseSteps
+from ..refusals import check_arguments, rollout_length
+from ..step import StepSequence, StepWalker
+from ..tree_args import PAPER
+from .config import AsyncTreePPOConfig, check_async_arguments
+from .data import SampleBatcher, SampleCollator, VersionedQueue, same_batch
+from .loss import (
     ClippedSurrogate,
     Decoupled,
     dense_loss,
     micro_batch_samples,
     tokens_per_rank,
 )
-from .ppo_async_metrics import MicroBatchWalk, dense_micro_batch, micro_batch_metrics
-from .ppo_async_values import SampleValueLoss, check_episodes, sample_targets
-from .ppo_value_model import ValueModelMixin
-from .refusals import check_arguments, rollout_length
-from .step import StepSequence, StepWalker
-from .tree_args import PAPER
+from .metrics import MicroBatchWalk, dense_micro_batch, micro_batch_metrics
+from .values import SampleValueLoss, check_episodes, sample_targets
 
 
 class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
@@ -89,7 +89,7 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
     Args: those of ``AsyncGRPOTrainer`` (``model`` is a model id or directory, as there; ``rollout_worker``
     and ``weight_transfer`` are TRL's protocols), and ``value_model`` (keyword): PPO with a value model, as
     :class:`~trl_dta.TreePPOTrainer`'s, its values taken at training time
-    (:mod:`trl_dta.train.ppo_async_values`). ``args`` should be an :class:`~trl_dta.AsyncTreePPOConfig` (a
+    (:mod:`trl_dta.train.async_ppo.values`). ``args`` should be an :class:`~trl_dta.AsyncTreePPOConfig` (a
     plain ``AsyncGRPOConfig`` gets the tree options' defaults; ``None`` makes an ``AsyncTreePPOConfig``).
     One process or several (DDP; see the module docstring).
     """
@@ -134,7 +134,7 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
         self._decoupled = None  # AReaL's decoupled objective (use_decoupled_loss), else TRL's coupled one
         if getattr(a, "use_decoupled_loss", False):
             self._decoupled = Decoupled(a.behav_imp_weight_cap, a.behav_imp_weight_mode)
-        self._init_value_model(value_model)  # (PPO with a value model: ppo_async_values.py)
+        self._init_value_model(value_model)  # (PPO with a value model: async_ppo/values.py)
         self._step_batches: list[dict] = []  # the current optimizer step's micro-batches (get_batch_samples)
         self._tree_position = 0  # micro-batches of the current step served so far
         self._tree_dense = False  # the current step takes the dense path (tree_dense_fallback)
@@ -222,7 +222,7 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
 
     def _takes_dense_path(self, model, inputs) -> bool:
         """Whether this micro-batch's step takes the dense path (``tree_dense_fallback``: one padded forward
-        per micro-batch, :func:`~trl_dta.train.ppo_async_loss.padded_logps`, the same loss and gradient),
+        per micro-batch, :func:`~trl_dta.train.async_ppo.loss.padded_logps`, the same loss and gradient),
         decided at the step's first micro-batch by the step seam's prediction. Never with a value model or
         ``check_staleness_at_training`` (both work on the step's walk)."""
         k, batches = self._tree_position, self._step_batches
@@ -323,7 +323,7 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
 
     def _value_advantages(self, samples, sequences, normalisers, accumulation, metrics):
         """The step's samples with per-token advantages from GAE on the current value model's values (a
-        no-gradient walk of the step's trie), and the value model's walk loss (ppo_async_values.py)."""
+        no-gradient walk of the step's trie), and the value model's walk loss (async_ppo/values.py)."""
         with self._walker.step(self._critic.model, sequences, training=False) as step:
             values = step.logprobs()
         values = [v[s.positions.to(v.device)] for s, v in zip(samples, values, strict=True)]
@@ -371,7 +371,7 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
 
     def _log_micro_batch(self, inputs, walked: MicroBatchWalk) -> None:
         """TRL's per-micro-batch metrics (``compute_loss``'s, logged under "train" as TRL's are; the decoupled
-        objective's too) from the walk's values (:mod:`~trl_dta.train.ppo_async_metrics`), and TRL's
+        objective's too) from the walk's values (:mod:`~trl_dta.train.async_ppo.metrics`), and TRL's
         per-step accounting."""
         values = micro_batch_metrics(walked, self.accelerator, self.epsilon_low, self.epsilon_high,
                                      self._decoupled, inputs["input_ids"].device,

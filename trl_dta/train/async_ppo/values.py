@@ -6,15 +6,15 @@ advantage on it; with a value model that advantage is not used. At each optimize
 
 1. the *current* value model walks the step's trie without gradients (values at training time, not at
    generation: a sample generated several versions ago is valued by today's critic);
-2. GAE per sample over its trained tokens (:func:`~trl_dta.train.ppo_values.gae`: the tokens the policy
+2. GAE per sample over its trained tokens (:func:`~trl_dta.train.critic.gae.gae`: the tokens the policy
    produced, tool responses left out), its reward on its last trained token; advantages whitened over the
    step's trained tokens of every rank;
 3. the policy's walk takes these per-token advantages (TRL's loss, or the decoupled one);
 4. the value model is walked on the same trie with the value loss (one implementation:
-   :class:`~trl_dta.train.ppo_values.ValueRowLoss`; its old values are the values of step 1, so the value clip
+   :class:`~trl_dta.train.critic.gae.ValueRowLoss`; its old values are the values of step 1, so the value clip
    does not bind), normalised as the policy's loss (the micro-batch's trained tokens per rank, the
    accumulation steps), and steps its own optimizer after the step's last micro-batch
-   (:class:`~trl_dta.train.ppo_value_model.ValueModelMixin`'s, as the synchronous trainer's).
+   (:class:`~trl_dta.train.critic.hooks.ValueModelMixin`'s, as the synchronous trainer's).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .ppo_async_loss import AsyncSample
-from .ppo_values import ValueRowLoss, value_targets
+from ..critic.gae import ValueRowLoss, value_targets
+from .loss import AsyncSample
 
 
 def check_episodes(args, given: dict) -> None:
@@ -65,7 +65,7 @@ def sample_targets(
     sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
     """Per sample, the advantages and returns of its trained tokens, by
-    :func:`~trl_dta.train.ppo_values.value_targets` on the samples as rows (``values[k]``: sample ``k``'s
+    :func:`~trl_dta.train.critic.gae.value_targets` on the samples as rows (``values[k]``: sample ``k``'s
     values at its trained tokens; its reward on the last one); and the step's ``value/*`` metrics. A sample
     no reward function scored (TRL's rollout worker gives it a NaN reward) gets advantages and returns of 0
     and stays out of the whitening and the metrics, as an unscorable rollout in
@@ -95,7 +95,7 @@ def scorable(sample: AsyncSample) -> bool:
 
 class SampleValueLoss:
     """The value model's walk loss for a step's samples (``(k, values, _) -> scalar``): sample ``k``'s value
-    loss at its trained tokens (:class:`~trl_dta.train.ppo_values.ValueRowLoss` on one row), over its
+    loss at its trained tokens (:class:`~trl_dta.train.critic.gae.ValueRowLoss` on one row), over its
     micro-batch's normaliser and the accumulation steps; 0 for an unscorable sample (:func:`scorable`)."""
 
     def __init__(self, samples, old_values, returns, normalisers, accumulation, cliprange_value):

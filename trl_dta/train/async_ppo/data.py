@@ -20,7 +20,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollou
 from trl.experimental.async_grpo.packing import TreeRow
 from trl.trainer.utils import pad
 
-from ..partition import lexicographic_partition
+from ...partition import lexicographic_partition
 
 
 class VersionedQueue:
