@@ -116,10 +116,11 @@ class Timed(ScriptedGenerationMixin):
 
 
 class PerMicroBatch(TreePPOTrainer):
-    """TreePPOTrainer as it was before the step walk: one trie per micro-batch."""
+    """TreePPOTrainer as it was before the step walk: one trie per micro-batch (no step schedule: each
+    micro-batch walked alone)."""
 
-    def _walked_in_step(self, model, inputs):
-        return self._walk(model, [inputs], training=True)[0]
+    def _scheduled(self, inputs):
+        return None
 
 
 TRAINERS = {  # name: (trainer class, config class, gradient checkpointing)

@@ -131,13 +131,3 @@ class SampleCollator(DataCollatorForRollout):
         padded = torch.arange(batch["input_ids"].shape[1])[None, :] < lengths[:, None]
         self._log_metrics(rows=rows, all_examples=list(samples), padded=padded.long())
         return batch
-
-
-def same_batch(a: dict, b: dict) -> bool:
-    """Whether two collated micro-batches (one possibly moved to the device) hold the same samples."""
-    x, y = a["input_ids"], b["input_ids"]
-    return (
-        x.shape == y.shape
-        and torch.equal(x.cpu(), y.cpu())
-        and torch.equal(a["lengths"].cpu(), b["lengths"].cpu())
-    )

@@ -55,9 +55,10 @@ from ..dense_fallback import StepClockCallback
 from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments, rollout_length
 from ..step import StepSequence, StepWalker
+from ..step_schedule import StepSchedule, same_micro_batch
 from ..tree_args import PAPER
 from .config import AsyncTreePPOConfig, check_async_arguments
-from .data import SampleBatcher, SampleCollator, VersionedQueue, same_batch
+from .data import SampleBatcher, SampleCollator, VersionedQueue
 from .loss import (
     ClippedSurrogate,
     Decoupled,
@@ -135,11 +136,7 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
         if getattr(a, "use_decoupled_loss", False):
             self._decoupled = Decoupled(a.behav_imp_weight_cap, a.behav_imp_weight_mode)
         self._init_value_model(value_model)  # (PPO with a value model: async_ppo/values.py)
-        self._step_batches: list[dict] = []  # the current optimizer step's micro-batches (get_batch_samples)
-        self._tree_position = 0  # micro-batches of the current step served so far
-        self._tree_dense = False  # the current step takes the dense path (tree_dense_fallback)
-        self._tree_pending: dict[int, MicroBatchWalk] = {}
-        self._tree_group: list[dict] | None = None  # the step's micro-batches, prepared (_step_group)
+        self._schedule: StepSchedule | None = None  # the current optimizer step's micro-batches
 
     def _use_walk_attention(self) -> None:
         """Undo TRL's model set-up for its packing: the FA3 tree attention and the fused-LM-head forward."""
@@ -178,16 +175,8 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._step_batches, self._tree_position, self._tree_pending = batches, 0, {}
-        self._tree_group = None
+        self._schedule = StepSchedule(batches, same=same_micro_batch, prepare=self._prepare_inputs)
         return batches, num_items
-
-    def _step_group(self, inputs: dict) -> list[dict]:
-        """The step's micro-batches on the device, ``inputs`` (its first, prepared) first: prepared once a
-        step, for the dense-path decision and the walk."""
-        if self._tree_group is None:
-            self._tree_group = [inputs, *(self._prepare_inputs(b) for b in self._step_batches[1:])]
-        return self._tree_group
 
     # ------------------------------------------------------------------ the loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -195,13 +184,17 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
             raise ValueError("AsyncTreePPOTrainer does not support returning outputs")
         training = self.model.training and torch.is_grad_enabled()
         start = time.time()
-        if training and self._takes_dense_path(model, inputs):  # (tree_dense_fallback: the same gradient)
-            walked, loss = self._dense_micro_batch(model, inputs)
+        schedule = self._schedule if training else None
+        if schedule is None or not schedule.expects(inputs):  # (evaluation, or a micro-batch walked alone)
+            walked = self._walk(model, [inputs], training)[0]
+        elif schedule.takes_dense_path(lambda: self._prefer_dense(model, schedule.prepared(inputs))):
+            walked, loss = self._dense_micro_batch(model, inputs)  # (tree_dense_fallback: the same gradient)
             self._dense_forward_done(time.perf_counter() - (time.time() - start))
             self._last_forward_time_s = time.time() - start
             self._log_micro_batch(inputs, walked)
             return loss  # (the Trainer backpropagates it)
-        walked = self._walked_in_step(model, inputs) if training else self._walk(model, [inputs], False)[0]
+        else:  # this micro-batch's share of its optimizer step's walk (step_schedule.py)
+            walked = schedule.serve(inputs, lambda batches: self._walk(model, batches, True))
         self._last_forward_time_s = time.time() - start
         self._log_micro_batch(inputs, walked)
         device = inputs["input_ids"].device
@@ -220,28 +213,20 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
             self.current_gradient_accumulation_steps, self.accelerator.num_processes, self._decoupled,
         )  # fmt: skip
 
-    def _takes_dense_path(self, model, inputs) -> bool:
-        """Whether this micro-batch's step takes the dense path (``tree_dense_fallback``: one padded forward
-        per micro-batch, :func:`~trl_dta.train.async_ppo.loss.padded_logps`, the same loss and gradient),
-        decided at the step's first micro-batch by the step seam's prediction. Never with a value model or
-        ``check_staleness_at_training`` (both work on the step's walk)."""
-        k, batches = self._tree_position, self._step_batches
+    def _prefer_dense(self, model, group: list[dict]) -> bool:
+        """Whether the step of the micro-batches ``group`` takes the dense path (``tree_dense_fallback``: one
+        padded forward per micro-batch, :func:`~trl_dta.train.async_ppo.loss.padded_logps`, the same loss and
+        gradient), by the step seam's prediction. Never with a value model or ``check_staleness_at_training``
+        (both work on the step's walk)."""
         if self._critic is not None or getattr(self.args, "check_staleness_at_training", False):
             return False
-        if k >= len(batches) or not same_batch(batches[k], inputs):
-            return False
-        if k == 0 and not self._tree_pending:  # (pending: walked after its dense path ran out of memory)
-            group = self._step_group(inputs)
-            samples = [s for b, x in enumerate(group) for s in micro_batch_samples(x, b)]
-            seqs = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
-            shapes = [tuple(b["input_ids"].shape) for b in group]  # (padded_logps: all rows, padded)
-            self._tree_dense = self._walker.prefer_dense(model, seqs, metrics=self._metrics["train"],
-                                                         shapes=shapes)  # fmt: skip
-            if self._tree_dense:  # (the staleness at training, logged as the walk logs it)
-                self._within_staleness(samples)
-        if self._tree_dense:
-            self._tree_position += 1
-        return self._tree_dense
+        samples = [s for b, x in enumerate(group) for s in micro_batch_samples(x, b)]
+        seqs = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
+        shapes = [tuple(b["input_ids"].shape) for b in group]  # (padded_logps: all rows, padded)
+        dense = self._walker.prefer_dense(model, seqs, metrics=self._metrics["train"], shapes=shapes)
+        if dense:  # (the staleness at training, logged as the walk logs it)
+            self._within_staleness(samples)
+        return dense
 
     def _dense_micro_batch(self, model, inputs) -> tuple[MicroBatchWalk, torch.Tensor]:
         """The micro-batch's loss by the dense path (with its graph) and its share for the metrics."""
@@ -251,31 +236,13 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
                                    self.current_gradient_accumulation_steps, self._decoupled)  # fmt: skip
         return dense_micro_batch(model, inputs, samples, loss_fn, self.temperature)
 
-    def _walked_in_step(self, model, inputs) -> MicroBatchWalk:
-        """This micro-batch's share of its optimizer step's walk: at the step's first micro-batch, walk
-        every micro-batch of the step (kept by ``get_batch_samples``), then serve them in order. A micro-batch
-        that is not the step's expected one (``compute_loss`` called directly) is walked on its own: the same
-        gradient, less sharing."""
-        k, batches = self._tree_position, self._step_batches
-        self._tree_position += 1
-        if k < len(batches) and same_batch(batches[k], inputs):
-            if k == 0 and not self._tree_pending:
-                self._tree_pending = dict(enumerate(self._walk(model, self._step_group(inputs), True)))
-            if k in self._tree_pending:
-                return self._tree_pending.pop(k)
-        return self._walk(model, [inputs], True)[0]
-
     def _dense_step_running(self) -> bool:
-        return self._tree_dense
+        return self._schedule is not None and bool(self._schedule.dense)
 
     def _walk_step_instead(self, model) -> None:
-        """The step's dense path ran out of memory at this micro-batch (RetriesDenseSteps): walk the step,
-        serve this micro-batch and the later ones from it."""
-        k, self._tree_dense = self._tree_position - 1, False
-        self._tree_pending = {
-            j: w for j, w in enumerate(self._walk(model, self._step_group(None), True)) if j >= k
-        }
-        self._tree_position = k
+        """The step's dense path failed at this micro-batch (RetriesDenseSteps): the step is walked, this
+        micro-batch and the later ones served from it."""
+        self._schedule.walk_instead()
 
     def _walk(self, model, batches: list[dict], training: bool) -> list[MicroBatchWalk]:
         """One trie of the samples of ``batches`` (micro-batches of a step), each sample with its

@@ -45,6 +45,7 @@ from ..dense_fallback import StepClockCallback, refuse_always
 from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments, rollout_length
 from ..step import StepWalker
+from ..step_schedule import StepSchedule
 from ..tree_args import PAPER
 from .config import TreePPOConfig
 from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
@@ -99,9 +100,7 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
         self._walker = StepWalker(a, self.accelerator, self.model)
         self.add_callback(StepClockCallback(self._walker.step_clock))  # (times the decided steps)
         self._walker.reserve(self.vllm_reserved_bytes())  # (a colocated vLLM engine's share, VLLMMixin)
-        self._tree_pending: dict[int, Walked] = {}  # walked micro-batches of this step, by buffer index
-        self._tree_position = 0  # micro-batches of the current optimizer step served so far
-        self._tree_dense = False  # the current step takes TRL's dense path (tree_dense_fallback)
+        self._schedule: StepSchedule | None = None  # the current optimizer step's micro-batches
         self._tree_lexicographic = getattr(a, "tree_lexicographic_steps", False)
         self._tree_ordered = None  # the buffered micro-batches last put in lexicographic order
         self._loss_settings = LossSettings.from_trainer(self)
@@ -196,6 +195,10 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
         return logps, entropies, None
 
     # ------------------------------------------------------------------ the training loss
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        self._schedule = None  # (a new optimizer step: its schedule is made at its first micro-batch)
+        return super().get_batch_samples(epoch_iterator, num_batches, device)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs:
             raise ValueError("The TreePPOTrainer does not support returning outputs")
@@ -204,82 +207,62 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
             raise ValueError(
                 f"multimodal inputs ({', '.join(multimodal)}) are not supported by the tree walk."
             )
-        mode = "train" if self.model.training else "eval"
-        if mode == "train" and torch.is_grad_enabled() and self._takes_dense_path(model, inputs):
+        training = self.model.training and torch.is_grad_enabled()
+        schedule = self._scheduled(inputs) if training else None
+        if schedule is None:  # (evaluation, or a micro-batch that is not TRL's buffered one: walked alone)
+            walked = self._walk(model, [inputs], training=training)[0]
+        elif schedule.takes_dense_path(lambda: self._prefer_dense(model, schedule.batches)):
             started = time.perf_counter()
             loss = GRPOTrainer._compute_loss(self, _DensePass(model), inputs)  # (TRL's own loss and backward)
             self._dense_forward_done(started)
             return loss * self._padding_scale(inputs)
-        if mode == "train" and torch.is_grad_enabled():
-            walked = self._walked_in_step(model, inputs)
-        else:
-            walked = self._walk(model, [inputs], training=False)[0]
+        else:  # this micro-batch's share of the walk of its optimizer step (step_schedule.py)
+            walked = schedule.serve(inputs, lambda batches: self._walk(model, batches, training=True))
         loss = self._trl_loss(inputs, walked)
-        if mode == "train" and torch.is_grad_enabled():
+        if training:
             self._walker.micro_batch_done(model)  # (DDP: the step's gradients averaged once)
             self._value_model_step()  # (a value model: its optimizer step after the step's last micro-batch)
             return torch.zeros((), device=loss.device, requires_grad=True) + loss  # gradients are in .grad
         return loss
 
-    def _walked_in_step(self, model, inputs) -> Walked:
-        """This micro-batch's share of the walk of its optimizer step: at the step's first micro-batch, walk
-        every micro-batch of the step that TRL has buffered (a step that runs past the end of a generation
-        batch is walked in two parts), then serve the results one micro-batch at a time. A micro-batch that
-        is not TRL's buffered one (``compute_loss`` called directly, a custom ``_prepare_inputs``) is walked
-        on its own: the same gradient, less sharing."""
+    def _scheduled(self, inputs) -> StepSchedule | None:
+        """The current optimizer step's schedule where ``inputs`` is TRL's buffered micro-batch it expects
+        next; made at the step's first micro-batch from TRL's buffered micro-batches of the step, and extended
+        by the next generation batch's where a step runs past the end of one. None for a micro-batch that is
+        not TRL's buffered one (``compute_loss`` called directly, a custom ``_prepare_inputs``)."""
         index = self._step % self.args.steps_per_generation
         buffered = self._buffered_inputs
         if buffered is None or index >= len(buffered) or buffered[index] is not inputs:
-            return self._walk(model, [inputs], training=True)[0]
-        if index not in self._tree_pending:
-            remaining = self.current_gradient_accumulation_steps - self._tree_position
-            group = buffered[index : index + remaining]
-            walked_group = self._walk(model, group, training=True)
-            self._tree_pending = dict(zip(range(index, index + len(group)), walked_group, strict=True))
-        self._tree_position = 0 if self.accelerator.sync_gradients else self._tree_position + 1
-        return self._tree_pending.pop(index)
+            return None
+        steps, schedule = self.current_gradient_accumulation_steps, self._schedule
+        if schedule is None:
+            schedule = self._schedule = StepSchedule(buffered[index : index + steps])
+        elif schedule.done and len(schedule.batches) < steps:  # (the step's rest, from the next generation)
+            schedule.extend(buffered[index : index + steps - len(schedule.batches)])
+        return schedule if schedule.expects(inputs) else None
 
-    def _takes_dense_path(self, model, inputs) -> bool:
-        """Whether this micro-batch's optimizer step takes TRL's dense path (``tree_dense_fallback``: the cost
-        model predicts it faster; the same gradients), decided at the step's first micro-batch for all of
-        them (:meth:`StepWalker.prefer_dense`). Never with a value model (its training walk shares the
-        step's trie) or for a micro-batch that is not TRL's buffered one."""
-        index = self._step % self.args.steps_per_generation
-        buffered = self._buffered_inputs
-        if (
-            self._critic is not None
-            or self._router_loss_walks
-            or buffered is None
-            or index >= len(buffered)
-            or buffered[index] is not inputs
-        ):
+    def _prefer_dense(self, model, group: list[dict]) -> bool:
+        """Whether the step of the micro-batches ``group`` takes TRL's dense path (``tree_dense_fallback``:
+        the cost model predicts it faster; the same gradients; :meth:`StepWalker.prefer_dense`). Never with a
+        value model (its training walk shares the step's trie) or a router loss on re-partitioned rows."""
+        if self._critic is not None or self._router_loss_walks:
             return False
-        if self._tree_position == 0 and index not in self._tree_pending:  # the step's first micro-batch
-            self._tree_first = index
-            group = buffered[index : index + self.current_gradient_accumulation_steps]
-            seqs, _ = step_sequences(group, keep_prompt_only=self.aux_loss_enabled)
-            passes = float(self.top_entropy_quantile < 1.0) + float(self.aux_loss_enabled)
-            shapes = [(len(b["prompt_ids"]), b["prompt_ids"].shape[1] + b["completion_ids"].shape[1])
-                      for b in group]  # fmt: skip
-            self._tree_dense = self._walker.prefer_dense(
-                model, seqs, no_grad_passes=passes, metrics=self._metrics["train"],
-                checkpointing=bool(self.args.gradient_checkpointing), shapes=shapes,
-            )  # fmt: skip
-        if self._tree_dense:
-            self._tree_position = 0 if self.accelerator.sync_gradients else self._tree_position + 1
-        return self._tree_dense
+        seqs, _ = step_sequences(group, keep_prompt_only=self.aux_loss_enabled)
+        passes = float(self.top_entropy_quantile < 1.0) + float(self.aux_loss_enabled)
+        shapes = [(len(b["prompt_ids"]), b["prompt_ids"].shape[1] + b["completion_ids"].shape[1])
+                  for b in group]  # fmt: skip
+        return self._walker.prefer_dense(
+            model, seqs, no_grad_passes=passes, metrics=self._metrics["train"],
+            checkpointing=bool(self.args.gradient_checkpointing), shapes=shapes,
+        )  # fmt: skip
 
     def _dense_step_running(self) -> bool:
-        return self._tree_dense
+        return self._schedule is not None and bool(self._schedule.dense)
 
     def _walk_step_instead(self, model) -> None:
-        """The step's dense path ran out of memory at this micro-batch (:class:`RetriesDenseSteps`): walk the
-        step's micro-batches from its first, and serve this one and the later ones from the walk."""
-        index, first = self._step % self.args.steps_per_generation, self._tree_first
-        group = self._buffered_inputs[first : first + self.current_gradient_accumulation_steps]
-        walked = zip(range(first, first + len(group)), self._walk(model, group, training=True), strict=True)
-        self._tree_pending = {k: w for k, w in walked if k >= index}
-        self._tree_position, self._tree_dense = index - first, False
+        """The step's dense path failed at this micro-batch (:class:`RetriesDenseSteps`): the step's
+        micro-batches are walked from its first, and this one and the later ones served from the walk."""
+        self._schedule.walk_instead()
 
     def _padding_scale(self, inputs) -> float:
         """What TRL's loss of a re-partitioned micro-batch is multiplied by to keep the global objective: a
@@ -385,8 +368,3 @@ class _DensePass:
 
     def __init__(self, module):
         self.module = module
-
-
-def _score_from(owners) -> list[int]:
-    """Each sequence's first scored log-prob index: the completion's, right after the prompt."""
-    return [owner.prompt_length - 1 for owner in owners]

@@ -45,6 +45,7 @@ from ..dense_fallback import StepClockCallback
 from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments, sample_length
 from ..step import StepSequence, StepWalk, StepWalker
+from ..step_schedule import StepSchedule, same_micro_batch
 from ..tree_args import PAPER
 from .config import TreeSFTConfig
 from .samples import Sample, batch_samples, num_input_tokens, trained_tokens
@@ -52,17 +53,6 @@ from .samples import Sample, batch_samples, num_input_tokens, trained_tokens
 # the accuracy pass: at this temperature the label's log-prob is > -(log V + 1) iff it is the top-1 token
 # (unless its logit is within ~1e-5 of the top one: a tie up to float rounding)
 ACCURACY_TEMPERATURE = 1e-6
-
-
-@dataclass
-class _Step:
-    """An optimizer step's micro-batches as the Trainer fetched them, and what the walk gave each."""
-
-    batches: list
-    num_items: object
-    results: list | None = None
-    served: int = 0
-    dense: bool | None = None  # takes TRL's dense path (tree_dense_fallback; None: not decided yet)
 
 
 @dataclass
@@ -110,7 +100,7 @@ class TreeSFTTrainer(RetriesDenseSteps, SFTTrainer):
         self._walker = StepWalker(self.args, self.accelerator, self.model)
         self.add_callback(StepClockCallback(self._walker.step_clock))  # (times the decided steps)
         self._tree_accuracy = getattr(self.args, "tree_token_accuracy", TreeSFTConfig.tree_token_accuracy)
-        self._tree_step: _Step | None = None
+        self._schedule: StepSchedule | None = None  # the current optimizer step's micro-batches
         length = sample_length(self.args, self.train_dataset, self.eval_dataset)
         self._walker.check_models(  # (before any step: what the first walk would refuse)
             self.model, tokenizer=self.processing_class, length=length,
@@ -148,75 +138,48 @@ class TreeSFTTrainer(RetriesDenseSteps, SFTTrainer):
     # ------------------------------------------------------------------ the step's micro-batches
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._tree_step = _Step(list(batches), num_items)
+        self._schedule = StepSchedule(
+            batches, same=same_micro_batch, prepare=self._prepare_inputs, key=num_items
+        )
         return batches, num_items
 
     # ------------------------------------------------------------------ the training loss
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if return_outputs or not (self.model.training and torch.is_grad_enabled()):  # evaluation: TRL's
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self._takes_dense_path(inputs, num_items_in_batch):  # (tree_dense_fallback: TRL's own loss)
+        schedule = self._schedule
+        if schedule is None or not schedule.expects(inputs, num_items_in_batch):  # (a micro-batch alone)
+            walked = self._walk(model, [inputs], num_items_in_batch)[0]
+        elif schedule.takes_dense_path(lambda: self._prefer_dense(schedule)):  # (TRL's own loss)
             started = time.perf_counter()
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             self._dense_forward_done(started)
             return loss
-        walked = self._walked_in_step(model, inputs, num_items_in_batch)
+        else:  # this micro-batch's share of the walk of its optimizer step (step_schedule.py)
+            walked = schedule.serve(inputs, lambda batches: self._walk(model, batches, num_items_in_batch))
         self._log_metrics(inputs, walked)
         self._walker.micro_batch_done(model)  # (DDP: the step's gradients averaged once)
         device = inputs["input_ids"].device
         return torch.zeros((), device=device, requires_grad=True) + walked.loss  # gradients are in .grad
 
-    def _walked_in_step(self, model, inputs, num_items_in_batch) -> _MicroBatch:
-        """This micro-batch's share of the walk of its optimizer step: at the step's first micro-batch, walk
-        every micro-batch the Trainer fetched for the step, then serve the results one at a time. A
-        micro-batch that is not the step's next one (``compute_loss`` called directly) is walked alone."""
-        step = self._tree_step
-        index = step.served if step is not None else 0
-        if (
-            step is None
-            or index >= len(step.batches)
-            or num_items_in_batch is not step.num_items
-            or not _same_batch(step.batches[index], inputs)
-        ):
-            return self._walk(model, [inputs], num_items_in_batch)[0]
-        if step.results is None:
-            batches = [inputs if k == index else self._prepare_inputs(b) for k, b in enumerate(step.batches)]
-            step.results = self._walk(model, batches, num_items_in_batch)
-        step.served += 1
-        return step.results[index]
-
-    def _takes_dense_path(self, inputs, num_items_in_batch) -> bool:
-        """Whether this micro-batch's step takes TRL's dense path (``tree_dense_fallback``), decided at its
-        first micro-batch for all of them by the step seam's prediction (:meth:`StepWalker.prefer_dense`). A
-        micro-batch that is not the step's next one is walked."""
-        step = self._tree_step
-        if (
-            step is None
-            or step.served >= len(step.batches)
-            or num_items_in_batch is not step.num_items
-            or not _same_batch(step.batches[step.served], inputs)
-        ):
-            return False
-        if step.dense is None:
-            samples = batch_samples(step.batches, whole=self.aux_loss_enabled)
-            step.dense = step.served == 0 and self._walker.prefer_dense(
-                self.model, [StepSequence(s.tokens, s.batch, s.score_from) for s in samples],
-                no_grad_passes=float(self._tree_accuracy), metrics=self._metrics["train"],
-                checkpointing=bool(self.args.gradient_checkpointing),
-                shapes=[tuple(b["input_ids"].shape) for b in step.batches],
-            )  # fmt: skip
-        if step.dense:
-            step.served += 1
-        return step.dense
+    def _prefer_dense(self, schedule: StepSchedule) -> bool:
+        """Whether the step takes TRL's dense path (``tree_dense_fallback``), by the step seam's prediction
+        (:meth:`StepWalker.prefer_dense`) for all of its micro-batches."""
+        samples = batch_samples(schedule.batches, whole=self.aux_loss_enabled)
+        return self._walker.prefer_dense(
+            self.model, [StepSequence(s.tokens, s.batch, s.score_from) for s in samples],
+            no_grad_passes=float(self._tree_accuracy), metrics=self._metrics["train"],
+            checkpointing=bool(self.args.gradient_checkpointing),
+            shapes=[tuple(b["input_ids"].shape) for b in schedule.batches],
+        )  # fmt: skip
 
     def _dense_step_running(self) -> bool:
-        return self._tree_step is not None and bool(self._tree_step.dense)
+        return self._schedule is not None and bool(self._schedule.dense)
 
     def _walk_step_instead(self, model) -> None:
-        """The step's dense path ran out of memory at this micro-batch (:class:`RetriesDenseSteps`): it is
-        served again, from the walk of every micro-batch of the step."""
-        step = self._tree_step
-        step.dense, step.served, step.results = False, step.served - 1, None
+        """The step's dense path failed at this micro-batch (:class:`RetriesDenseSteps`): it is served again,
+        from the walk of every micro-batch of the step."""
+        self._schedule.walk_instead()
 
     def _scales(self, batches, num_items) -> tuple[list[float], int]:
         """Per micro-batch, the factor of a summed token loss in TRL's loss value; and what the Trainer
@@ -338,9 +301,3 @@ def _token_loss(sample: Sample, logps: torch.Tensor, dft: bool) -> torch.Tensor:
     if dft:
         per_token = per_token * logps.exp().detach()
     return torch.where(sample.mask.to(logps.device), per_token, 0.0).sum()
-
-
-def _same_batch(raw: dict, inputs: dict) -> bool:
-    """Whether ``inputs`` (prepared by the Trainer) is the micro-batch ``raw`` the dataloader gave."""
-    a, b = raw.get("input_ids"), inputs.get("input_ids")
-    return a is not None and b is not None and a.shape == b.shape and torch.equal(a.to(b.device), b)
