@@ -143,19 +143,16 @@ def test_a_conversation_forked_into_rows_gets_its_episodes_advantages_at_gamma_a
     reward. GAE per row at γ = λ = 1 gives every policy token the episode's advantage, R - V (each token is
     trained in one row); below 1 it would not, so that combination is refused where rows can fork (tools,
     environments, a custom worker)."""
-    from trl_dta.train.async_ppo.loss import AsyncSample
-    from trl_dta.train.async_ppo.values import check_episodes, sample_targets
-
-    def sample(n: int) -> AsyncSample:
-        return AsyncSample([0] * (n + 1), 0, 0, torch.arange(n), torch.zeros(n), 0.0, reward=2.0)
+    from trl_dta.train.async_ppo.values import check_episodes
+    from trl_dta.train.critic.gae import sequence_targets
 
     g = torch.Generator().manual_seed(0)
     first, second = torch.randn(5, generator=g), torch.randn(3, generator=g)  # (each row's trained tokens)
 
     def advantages(gamma, lam):
         options = dict(gamma=gamma, lam=lam, whiten_advantages=False)
-        rows, _, _ = sample_targets([sample(5), sample(3)], [first, second], **options)
-        episode, _, _ = sample_targets([sample(8)], [torch.cat([first, second])], **options)
+        rows = sequence_targets([first, second], [2.0, 2.0], **options).advantages
+        episode = sequence_targets([torch.cat([first, second])], [2.0], **options).advantages
         return torch.cat(rows), episode[0]
 
     rows, episode = advantages(1.0, 1.0)

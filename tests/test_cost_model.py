@@ -313,7 +313,7 @@ def test_the_dense_fallback_decides_by_the_fitted_costs(tmp_path):
 def _step(walker, model, seqs, metrics, seconds=None) -> bool:
     """One decided training step: the decision, then its optimizer step (the trainers' callback stops the
     clock); ``seconds``: what the step measured, as if it had taken that long."""
-    from trl_dta.train.dense_fallback import StepClockCallback
+    from trl_dta.train.step_clock import StepClockCallback
 
     clock = walker.step_clock
     dense = walker.prefer_dense(model, seqs, metrics=metrics)

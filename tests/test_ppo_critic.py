@@ -169,7 +169,7 @@ def test_the_value_model_learns_each_leafs_own_target_on_a_shared_prefix():
 
     from accelerate import Accelerator
 
-    from trl_dta.train.critic.gae import ValueRowLoss
+    from trl_dta.train.critic.value_model import ValueLosses, ValueTarget
     from trl_dta.train.step import StepSequence, StepWalker
 
     critic = value_model_from(tiny_model()).eval()  # (its head's dropout off)
@@ -178,9 +178,11 @@ def test_the_value_model_learns_each_leafs_own_target_on_a_shared_prefix():
     rows = [prompt + chunk + [60 + i] + tail for i in range(8)]  # the decisive token: one per rollout
     seqs = [StepSequence(r, 0, len(prompt) - 1) for r in rows]
     width = len(chunk) + 1 + len(tail)
-    mask = torch.ones(8, width)
-    targets = torch.tensor(returns)[:, None].expand(8, width)
-    loss = ValueRowLoss(mask, torch.zeros(8, width), targets, norm=8 * width, cliprange_value=None)
+    every = torch.arange(width)  # (every position a trained token, its target the rollout's return)
+    targets = [
+        ValueTarget(every, torch.zeros(width), torch.full((width,), r), 1.0, 8 * width) for r in returns
+    ]
+    loss = ValueLosses(targets, cliprange_value=None)
     walker = StepWalker(SimpleNamespace(), Accelerator(cpu=True), critic)
     optimizer = torch.optim.Adam(critic.parameters(), lr=1e-2)
     for _ in range(150):
@@ -246,7 +248,7 @@ def test_what_a_value_model_cannot_do_is_refused_when_the_trainer_is_built(tmp_p
 
     from accelerate.utils import DistributedType
 
-    from trl_dta.train.refusals import check_value_model
+    from trl_dta.train.critic.value_model import check_value_model
 
     for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         with pytest.raises(ValueError, match="train with a value model on one process or under DDP"):

@@ -20,7 +20,7 @@ again by the constants in use). The decision ("auto") is made from measurements,
   measured before its prediction is trusted: once, at the next step, where it is predicted within
   :data:`EXPLORE_WITHIN` of the chosen path (so the walk is explored where a prior underpricing dense sends
   the first step there, and the dense path where a prior overpricing it keeps it walking); and again
-  whenever the chosen path's measured over predicted ratio drifts past :data:`DRIFT` from what it was when
+  whenever the chosen path's measured over predicted ratio drifts past ``DRIFT`` (2) from what it was when
   the other path was last measured. The dense path's first try is cut short after its first forward where
   that forward alone outlasts twice the walk's predicted step
   (:meth:`~trl_dta.train.step.StepWalker.dense_trial_too_slow`): a dense path far slower than its
@@ -36,25 +36,21 @@ measured ratios absorb what either path costs beyond its prediction. Gradients a
 
 from __future__ import annotations
 
-import math
-import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-from transformers import TrainerCallback
 
 from ..trie import PrefixTrie
 from ..walk.cost_model import CostModel, plan_terms
 from ..walk.memory_model import activation_bytes, activation_dtype, autocast_copies
 from ..walk.scoring import scored_from
+from .step_clock import StepClock
 
 MODES = ("auto", "never", "always")
 NO_GRAD_SHARE = 1 / 3  # a forward's share of a forward + backward call
 RECOMPUTE = 4 / 3  # gradient checkpointing: each call forwards twice
 EXPLORE_WITHIN = 4.0  # an unmeasured path is explored where it is predicted at most this many times slower
-DRIFT = 2.0  # the chosen path's ratio moving this far since the other was measured: measure the other again
 FREE_SHARE = 0.9  # of the free device memory, what a dense step may take
 # tree/path_reason: the prediction alone (a path not measured yet, nothing to explore), both paths' measured
 # scales, an exploration, or the dense path's memory
@@ -81,8 +77,10 @@ def checked_mode(mode: str, walk_only: bool) -> str:
     """``tree_dense_fallback`` as the step seam takes it: "always" is refused where every step must walk
     (``walk_only``: DeepSpeed or FSDP, whose steps the walk reduces and steps)."""
     if walk_only:
-        refuse_always(mode, "under DeepSpeed or FSDP (the walk reduces the step's gradients and steps the "
-                      "engine itself)")  # fmt: skip
+        refuse_always(
+            mode,
+            "under DeepSpeed or FSDP (the walk reduces the step's gradients and steps the engine itself)",
+        )
     return mode
 
 
@@ -99,8 +97,9 @@ def refuse_always(mode: str, where: str) -> None:
 Shapes = Sequence[tuple[int, int]] | None  # per micro-batch, (rows, width) of TRL's dense forward's tensors
 
 
-def dense_terms(sequences: Sequence, checkpointing: bool = False,
-                shapes: Shapes = None) -> tuple[float, float, float, float]:  # fmt: skip
+def dense_terms(
+    sequences: Sequence, checkpointing: bool = False, shapes: Shapes = None
+) -> tuple[float, float, float, float]:
     """``(calls, tokens, pairs, scored)`` of TRL's dense path over ``sequences`` (each with ``tokens``,
     ``batch`` and ``score_from``): one call per micro-batch of right-padded rows. ``shapes``: per micro-batch,
     the ``(rows, width)`` of the tensors TRL's dense forward takes (padding rows and columns counted, and a
@@ -117,124 +116,6 @@ def dense_terms(sequences: Sequence, checkpointing: bool = False,
         tokens += share * rows * width
         pairs += share * rows * width * width
     return calls, tokens, pairs, float(sum(len(s.tokens) - s.score_from for s in sequences))
-
-
-class StepClock:
-    """Times each step the fallback decides, dense or walked, from the decision (the step's first
-    micro-batch) to its optimizer step (:class:`StepClockCallback`). On a CPU by the monotonic clock; on
-    CUDA by two events read once the device has passed them (at a later decision: no host sync).
-
-    A measured step covers more than its prediction on either path (the trainer's work between micro-batches,
-    the loss's bookkeeping, TRL's LM head over every position on the dense path): :meth:`scale` gives a
-    path's geometric mean of measured over predicted seconds over its last ``WINDOW`` steps (None before its
-    first), which multiplies that path's next predictions, so that the two compare measured with measured.
-    Each step keeps its price (a function of the constants in use), not a number: once the fit adopts other
-    constants, every measured step is compared with what they predict for it. (Ratios of predictions made by
-    older constants would compare a path priced by a fit since replaced with one priced by the new fit.)
-    :meth:`explore` says which path a decision must measure first (module docstring)."""
-
-    WINDOW = 8
-
-    def __init__(self):
-        # by dense: (measured seconds, price: the step's predicted seconds by the constants in use)
-        self.measured = {True: deque(maxlen=self.WINDOW), False: deque(maxlen=self.WINDOW)}
-        self.last_dense_s: float | None = None  # the latest measured dense step
-        self.explored = {True: 0, False: 0}  # explorations of each path since it was last measured
-        self.dense_ceiling = math.inf  # the least predicted bytes of a dense step that ran out of memory
-        # by path: the other path's measurements when this one was last measured (its drift is measured from)
-        self._anchor: dict[bool, list] = {True: [], False: []}
-        self._running: tuple | None = None  # (dense, price, start: a time or a CUDA event)
-        self._pending: list[tuple] = []  # CUDA: (dense, price, start event, end event)
-
-    def ratios(self, dense: bool) -> list[float]:
-        """Measured over predicted seconds of the last measured steps of a path, by the constants in use."""
-        self._collect()
-        return _ratios(self.measured[dense])
-
-    def scale(self, dense: bool) -> float | None:
-        """A path's measured over predicted seconds (:meth:`ratios`' geometric mean); None unmeasured."""
-        return _mean(self.ratios(dense))
-
-    def explore(self, chosen: bool, other_within: bool) -> bool:
-        """Whether the step must take the path other than ``chosen`` (dense: True) to measure it: ``chosen``
-        has been measured (the predicted-faster path goes first) and the other has not (explored once at
-        most, while ``other_within``: predicted within reach), or ``chosen``'s ratio drifted past
-        :data:`DRIFT` since the other path was last measured."""
-        other = not chosen
-        if not self.ratios(chosen):
-            return False
-        if not self.ratios(other):
-            return other_within and self.explored[other] < 1
-        if not self._anchor[other]:  # (the other path was measured before this one: from its first steps)
-            self._anchor[other] = list(self.measured[chosen])
-        then, now = _mean(_ratios(self._anchor[other])), self.scale(chosen)
-        return then is not None and now is not None and max(now / then, then / now) > DRIFT
-
-    def start(
-        self, dense: bool, price: Callable[[], float], device: torch.device, explored: bool = False
-    ) -> None:
-        if explored:
-            self.explored[dense] += 1
-        if device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._running = (dense, price, event)
-        else:
-            self._running = (dense, price, time.perf_counter())
-
-    def cancel(self) -> None:
-        """Forget a step that ended without an optimizer step (an evaluation, an interrupted step)."""
-        self._running = None
-
-    def stop(self) -> None:
-        """At the optimizer step (nothing running: a step the fallback did not decide)."""
-        if self._running is None:
-            return
-        dense, price, start = self._running
-        self._running = None
-        if isinstance(start, float):
-            self._add(dense, price, time.perf_counter() - start)
-        else:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._pending.append((dense, price, start, end))
-
-    def _collect(self) -> None:
-        while self._pending and self._pending[0][3].query():
-            dense, price, start, end = self._pending.pop(0)
-            self._add(dense, price, start.elapsed_time(end) / 1e3)
-
-    def record(self, dense: bool, price: Callable[[], float], seconds: float) -> None:
-        """A path's step measured otherwise (a first try of the dense path cut short: its estimate)."""
-        self._add(dense, price, seconds)
-
-    def _add(self, dense: bool, price: Callable[[], float], seconds: float) -> None:
-        if dense:
-            self.last_dense_s = seconds
-        if seconds > 0:
-            self.measured[dense].append((seconds, price))
-            self.explored[dense] = 0
-            self._anchor[dense] = list(self.measured[not dense])
-
-
-def _ratios(measured) -> list[float]:
-    priced = ((seconds, price()) for seconds, price in measured)
-    return [seconds / predicted for seconds, predicted in priced if predicted > 0]
-
-
-def _mean(ratios: list[float]) -> float | None:
-    return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
-
-
-class StepClockCallback(TrainerCallback):
-    """Stops a trainer's :class:`StepClock` at each optimizer step (after gradient clipping, before the
-    optimizer's update)."""
-
-    def __init__(self, clock: StepClock):
-        self.clock = clock
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.clock.stop()
 
 
 def predict(
@@ -310,10 +191,18 @@ def dense_bytes(lm, sequences: Sequence, checkpointing: bool, shapes: Shapes = N
 
 
 def decide(
-    executor, sequences: Sequence, mode: str, margin: float, walk_only: bool,
-    no_grad_passes: float = 0.0, checkpointing: bool = False, metrics=None, clock: StepClock | None = None,
-    agree: Callable[[list[float]], list[float]] | None = None, shapes: Shapes = None,
-) -> tuple[Prediction | None, bool]:  # fmt: skip
+    executor,
+    sequences: Sequence,
+    mode: str,
+    margin: float,
+    walk_only: bool,
+    no_grad_passes: float = 0.0,
+    checkpointing: bool = False,
+    metrics=None,
+    clock: StepClock | None = None,
+    agree: Callable[[list[float]], list[float]] | None = None,
+    shapes: Shapes = None,
+) -> tuple[Prediction | None, bool]:
     """The prediction for a step of ``sequences`` (None without a cost model or sequences) and whether it
     takes the dense path: ``mode`` "always" and "never" say so; "auto" decides as the module docstring says
     (memory, exploration, the measured-scaled predictions), unless ``walk_only`` (DeepSpeed or FSDP: the walk
@@ -338,8 +227,16 @@ def decide(
     auto = mode == "auto" and not walk_only and executor.cost_model is not None
     if sequences and executor.cost_model is not None:
         trie = PrefixTrie.from_sequences([s.tokens for s in sequences])
-        prediction = predict(executor, trie, sequences, no_grad_passes, checkpointing, margin,
-                             tuple(1.0 if k is None else k for k in scales), shapes)  # fmt: skip
+        prediction = predict(
+            executor,
+            trie,
+            sequences,
+            no_grad_passes,
+            checkpointing,
+            margin,
+            tuple(1.0 if k is None else k for k in scales),
+            shapes,
+        )
     if auto:
         need = dense_bytes(executor.lm, sequences, checkpointing, shapes) if prediction is not None else 0.0
         votes = _votes(executor, prediction, need, margin, clock, scales)
@@ -373,8 +270,14 @@ def _votes(executor, prediction, need: float, margin, clock, scales) -> list[flo
         other_s, chosen_s = (step_s, dense_s) if chosen else (dense_s, step_s)
         explore = clock.explore(chosen, other_s <= EXPLORE_WITHIN * chosen_s and (chosen or not no_room))
     unmeasured = None in scales
-    return [step_s, dense_s, float(no_room), float(explore and chosen), float(explore and not chosen),
-            float(unmeasured)]  # fmt: skip
+    return [
+        step_s,
+        dense_s,
+        float(no_room),
+        float(explore and chosen),
+        float(explore and not chosen),
+        float(unmeasured),
+    ]
 
 
 def _choose(votes: list[float], margin: float) -> tuple[bool, str]:

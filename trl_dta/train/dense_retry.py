@@ -79,8 +79,9 @@ class RetriesDenseSteps:
         else:
             logger.warning(
                 "The step's dense path ran out of memory (%s); its gradients are dropped and the step is "
-                "walked (tree/dense_oom_retries). Later steps that need as much memory walk.", what,
-            )  # fmt: skip
+                "walked (tree/dense_oom_retries). Later steps that need as much memory walk.",
+                what,
+            )
         self._metrics["train"]["tree/dense_trials_cut" if slow else "tree/dense_oom_retries"].append(1.0)
         self._tree_retrying = True
         try:

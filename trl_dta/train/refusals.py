@@ -5,7 +5,7 @@ A trainer refuses everything it can know before its first step at construction, 
 fails in seconds, not after a generation phase on a real model:
 
 * :func:`check_arguments`, before TRL's own set-up: fp16 gradient scaling, Liger kernels, PEFT prompt
-  learning; :func:`check_value_model`, a value model's kind and the multi-process modes it trains in;
+  learning (a value model's own: :func:`~trl_dta.train.critic.value_model.check_value_model`);
 * :meth:`StepWalker.check_models <trl_dta.train.step.StepWalker.check_models>`, after it (TRL loads the
   model and the tokenizer): every refusal of the walk's probe and first walk that depends only on the
   model, the tokenizer and the arguments (:mod:`trl_dta.walk.preflight`), given the tokenizer's size
@@ -19,8 +19,6 @@ token ids of a dataset tokenized elsewhere): :mod:`trl_dta.walk.preflight` lists
 from __future__ import annotations
 
 from typing import NamedTuple
-
-from accelerate.utils import DistributedType
 
 from .multi_process import check_trainable
 
@@ -49,38 +47,6 @@ def check_arguments(args, model=None, peft_config=None) -> None:
         )
     for thing in (model, peft_config):
         check_trainable(thing)
-
-
-def check_value_model(value_model, accelerator) -> None:
-    """A value model (``value_model=``) is a Hub id or path, or a module; it trains on one process and under
-    DDP. FSDP and DeepSpeed are refused: the value model's parameters would need their own sharded
-    preparation (accelerate prepares one DeepSpeed engine per model) and its checkpoint a sharded save,
-    which the trainer does not do yet."""
-    from torch import nn
-
-    if not isinstance(value_model, str | nn.Module):
-        raise TypeError(
-            f"value_model must be a Hub id or a path, or a *ForTokenClassification module (num_labels=1), "
-            f"got {type(value_model).__name__}."
-        )
-    if isinstance(value_model, nn.Module):
-        from ..walk.model import _base_model, output_head
-
-        _, is_value_head = output_head(_base_model(value_model))
-        if not is_value_head:
-            raise ValueError(
-                f"value_model is a {type(value_model).__name__}, not a value model (a "
-                "*ForTokenClassification with num_labels=1, or a PEFT model of one): build one from the "
-                "policy with trl_dta.value_model_from(policy), or pass the policy's path (a zero value head "
-                "is added)."
-            )
-    kind = accelerator.distributed_type
-    if kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        raise ValueError(
-            f"a value model is not supported under {kind.value} yet: train with a value model on one process "
-            "or under DDP (recipes/accelerate_configs/multi_gpu.yaml, multi_cpu.yaml); FSDP2 and DeepSpeed "
-            'train the policy alone (docs/ppo-critic.md, "What is refused").'
-        )
 
 
 def rollout_length(args) -> LengthBound:

@@ -52,10 +52,11 @@ from ..walk.cost_model import CostModel
 from ..walk.determinism import check_deterministic, disable_randomness
 from ..walk.executor import TreeExecutor
 from ..walk.preflight import preflight
-from .dense_fallback import DRIFT, NO_GRAD_SHARE, Prediction, StepClock, checked_mode, decide, refuse_always
+from .dense_fallback import NO_GRAD_SHARE, Prediction, checked_mode, decide, refuse_always
 from .gradient_check import GradientCheck
 from .multi_process import UNUSED_EXPERTS, StepFlow, check_distributed
 from .refusals import LengthBound, check_arguments, tokenizer_size
+from .step_clock import DRIFT, StepClock
 from .step_results import StepSequence
 from .step_walk import StepWalk
 from .tree_args import TreeArguments
@@ -95,9 +96,10 @@ class StepWalker:
         Budgets(*self.budget_options, prefix="tree_")  # (validated now: a plain TRL config is not)
         self.reserved_bytes = 0.0
         self.options = dict(
-            lm_head_fp32=getattr(args, "cast_lm_head_to_fp32", False), gather_per_layer=gather_per_layer,
+            lm_head_fp32=getattr(args, "cast_lm_head_to_fp32", False),
+            gather_per_layer=gather_per_layer,
             oom_retries=_option(args, "tree_oom_retries"),
-        )  # fmt: skip
+        )
         self.executors: dict[int, TreeExecutor] = {}
         self._by_model: dict[int, tuple] = {}  # id(model) -> (model, its executor): wrapped or not
         self.trained: list = []  # the models trained in the same steps (train_together)
@@ -144,8 +146,9 @@ class StepWalker:
         for executor in self.executors.values():
             executor.budgets.reserve(reserved_bytes)
 
-    def check_models(self, policy, *others, tokenizer=None, length: LengthBound | None = None,
-                     disable_dropout: bool = True) -> None:  # fmt: skip
+    def check_models(
+        self, policy, *others, tokenizer=None, length: LengthBound | None = None, disable_dropout: bool = True
+    ) -> None:
         """At the trainer's construction, after TRL's: refuse what the first walk of ``policy`` (and of
         ``others``, a reference model; None is skipped) would refuse whatever the data
         (:mod:`trl_dta.walk.preflight`: the model's structure and the probe, ``tokenizer``'s size, the
@@ -158,10 +161,15 @@ class StepWalker:
             self.flow.register(model)  # (DeepSpeed: a reference model's engine, its hooks off in the probe)
             module = unwrap(model)
             preflight(
-                module, lm_head_fp32=self.options["lm_head_fp32"], tokenizer_size=size,
-                max_length=length.tokens, length_setting=length.setting, option=length.option,
-                training=k == 0 and not disable_dropout, probe=self._placed(module),
-            )  # fmt: skip
+                module,
+                lm_head_fp32=self.options["lm_head_fp32"],
+                tokenizer_size=size,
+                max_length=length.tokens,
+                length_setting=length.setting,
+                option=length.option,
+                training=k == 0 and not disable_dropout,
+                probe=self._placed(module),
+            )
         if disable_dropout:
             self.disable_randomness(policy, *others)
         elif self._placed(module := unwrap(policy)):
@@ -200,9 +208,16 @@ class StepWalker:
                 m.training = mode
 
     def step(
-        self, model, sequences: Sequence[StepSequence], *, training: bool = True, metrics=None,
-        dense_loss: Callable | None = None, batches: Sequence[dict] | None = None, prefix: str = "tree/",
-    ) -> StepWalk:  # fmt: skip
+        self,
+        model,
+        sequences: Sequence[StepSequence],
+        *,
+        training: bool = True,
+        metrics=None,
+        dense_loss: Callable | None = None,
+        batches: Sequence[dict] | None = None,
+        prefix: str = "tree/",
+    ) -> StepWalk:
         """The walk of one step's ``sequences`` on ``model``, as a context manager (:class:`StepWalk`); on a
         normal exit the step's ``tree/*`` metrics are appended to ``metrics`` (a ``defaultdict(list)``, e.g.
         the trainer's ``self._metrics["train"]``; None: not logged), named with ``prefix`` (a second model
@@ -215,8 +230,17 @@ class StepWalker:
             self.check_gradients = False  # (once)
         return StepWalk(self, model, sequences, training, metrics, check, prefix)
 
-    def prefer_dense(self, model, sequences: Sequence[StepSequence], *, no_grad_passes: float = 0.0,
-                     checkpointing: bool = False, metrics=None, timed=True, shapes=None) -> bool:  # fmt: skip
+    def prefer_dense(
+        self,
+        model,
+        sequences: Sequence[StepSequence],
+        *,
+        no_grad_passes: float = 0.0,
+        checkpointing: bool = False,
+        metrics=None,
+        timed=True,
+        shapes=None,
+    ) -> bool:
         """Whether the step of ``sequences`` should take TRL's dense path (``tree_dense_fallback``:
         :func:`trl_dta.train.dense_fallback.decide` documents the arguments and the metrics); the prediction
         stays in :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks.
@@ -226,9 +250,18 @@ class StepWalker:
             refuse_always(mode, UNUSED_EXPERTS)
             mode = "never"
         self.prediction, dense = decide(
-            executor, sequences, mode, self.dense_margin, self.walk_only, no_grad_passes, checkpointing,
-            metrics, self.step_clock if timed else None, self.flow.agreement(timed), shapes,
-        )  # fmt: skip
+            executor,
+            sequences,
+            mode,
+            self.dense_margin,
+            self.walk_only,
+            no_grad_passes,
+            checkpointing,
+            metrics,
+            self.step_clock if timed else None,
+            self.flow.agreement(timed),
+            shapes,
+        )
         if timed:  # (whether a dense step that runs out of memory can start again from here: no gradient yet)
             self._fresh = all(p.grad is None for p in model.parameters() if p.requires_grad)
             # (the dense path's first try, in "auto": against the walk's predicted step, scaled once measured)

@@ -49,8 +49,9 @@ class StepSchedule:
             (SFT's ``num_items_in_batch``), compared by identity; None: nothing.
     """
 
-    def __init__(self, batches: Sequence, same: Callable | None = None, prepare: Callable | None = None,
-                 key=None):  # fmt: skip
+    def __init__(
+        self, batches: Sequence, same: Callable | None = None, prepare: Callable | None = None, key=None
+    ):
         self.batches = list(batches)
         self.served = 0  # micro-batches served so far (by the dense path or the walk)
         self.dense: bool | None = None  # the step takes the dense path (None: not decided yet)

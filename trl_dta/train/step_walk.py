@@ -97,8 +97,9 @@ class StepWalk(AbstractContextManager):
         self._measured()
         return auxes, terms
 
-    def backward(self, loss_fn: LossFn, temperature: float = 1.0, entropies: bool = True,
-                 entropy_grad: bool = True) -> None:  # fmt: skip
+    def backward(
+        self, loss_fn: LossFn, temperature: float = 1.0, entropies: bool = True, entropy_grad: bool = True
+    ) -> None:
         """The gradient pass: ``.grad`` of the model's trainable parameters gets the gradient of the sum of
         ``loss_fn(k, logps_k, entropies_k)`` over the sequences (plus :meth:`router_loss`'s), exactly; each
         sequence's values are recorded in :attr:`results`. ``entropy_grad=False``: the loss reads the
@@ -111,9 +112,14 @@ class StepWalk(AbstractContextManager):
             return
         with flow.gradient_walk(self.model), self.walker.accelerator.autocast():
             self.executor.backward(
-                self.trie, self._recorded(loss_fn), temperature, entropies=entropies,
-                router_grad=self.router_grad, score_from=self.score_from, entropy_grad=entropy_grad,
-            )  # fmt: skip
+                self.trie,
+                self._recorded(loss_fn),
+                temperature,
+                entropies=entropies,
+                router_grad=self.router_grad,
+                score_from=self.score_from,
+                entropy_grad=entropy_grad,
+            )
         self._measured()
 
     def score(self, loss_fn: LossFn, temperature: float = 1.0, entropies: bool = True) -> None:

@@ -123,9 +123,16 @@ class ClippedSurrogate:
             walk's own, detached (exact here: module docstring).
     """
 
-    def __init__(self, samples: Sequence[AsyncSample], normalisers: Sequence[float], epsilon_low: float,
-                 epsilon_high: float, accumulation: int, decoupled: Decoupled | None = None,
-                 proximal: Sequence[torch.Tensor] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        samples: Sequence[AsyncSample],
+        normalisers: Sequence[float],
+        epsilon_low: float,
+        epsilon_high: float,
+        accumulation: int,
+        decoupled: Decoupled | None = None,
+        proximal: Sequence[torch.Tensor] | None = None,
+    ):
         self.samples, self.normalisers = samples, normalisers
         self.epsilon_low, self.epsilon_high, self.accumulation = epsilon_low, epsilon_high, accumulation
         self.decoupled, self.proximal = decoupled, proximal
@@ -145,9 +152,16 @@ class ClippedSurrogate:
         return per_token.sum() / self.normalisers[s.batch] / self.accumulation
 
 
-def dense_loss(model, inputs: dict, epsilon_low: float, epsilon_high: float, temperature: float = 1.0,
-               accumulation: int = 1, world_size: int = 1,
-               decoupled: Decoupled | None = None) -> torch.Tensor:  # fmt: skip
+def dense_loss(
+    model,
+    inputs: dict,
+    epsilon_low: float,
+    epsilon_high: float,
+    temperature: float = 1.0,
+    accumulation: int = 1,
+    world_size: int = 1,
+    decoupled: Decoupled | None = None,
+) -> torch.Tensor:
     """TRL's asynchronous GRPO loss of one collated micro-batch by a plain forward of each sample (full
     logits, ``log_softmax`` at ``temperature``): the dense reference of the walk, with its graph. With
     ``decoupled``, the decoupled objective, its proximal log-probs from a separate no-gradient forward of
@@ -164,8 +178,15 @@ def dense_loss(model, inputs: dict, epsilon_low: float, epsilon_high: float, tem
     if decoupled is not None:
         with torch.no_grad():
             proximal = [logps_of(s)[s.positions.to(device)] for s in samples]
-    loss_fn = ClippedSurrogate(samples, [tokens_per_rank(inputs, world_size)], epsilon_low, epsilon_high,
-                               accumulation, decoupled, proximal)  # fmt: skip
+    loss_fn = ClippedSurrogate(
+        samples,
+        [tokens_per_rank(inputs, world_size)],
+        epsilon_low,
+        epsilon_high,
+        accumulation,
+        decoupled,
+        proximal,
+    )
     total = None
     for k, s in enumerate(samples):
         loss = loss_fn(k, logps_of(s))
@@ -175,8 +196,14 @@ def dense_loss(model, inputs: dict, epsilon_low: float, epsilon_high: float, tem
     return total
 
 
-def surrogate_sums(logps: torch.Tensor, old: torch.Tensor, advantage: float, entropies: torch.Tensor,
-                   epsilon_low: float, epsilon_high: float) -> torch.Tensor:  # fmt: skip
+def surrogate_sums(
+    logps: torch.Tensor,
+    old: torch.Tensor,
+    advantage: float,
+    entropies: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+) -> torch.Tensor:
     """One sample's sums behind TRL's metrics, over its trained tokens: ``[ratio, kl (k3), entropy,
     low-clipped, high-clipped, region-clipped, count]`` (float64)."""
     logps, old, entropies = logps.double(), old.to(logps.device).double(), entropies.double()

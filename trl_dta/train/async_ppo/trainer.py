@@ -50,11 +50,11 @@ from torch.utils.data import DataLoader
 from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
 from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset, _EmptyIterableDataset
 
-from ..critic.hooks import ValueModelMixin
-from ..dense_fallback import StepClockCallback
+from ..critic.value_model import ValueModel, ValueModelCheckpoints
 from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments, rollout_length
 from ..step import StepSequence, StepWalker
+from ..step_clock import StepClockCallback
 from ..step_schedule import StepSchedule, same_micro_batch
 from ..tree_args import PAPER
 from .config import AsyncTreePPOConfig, check_async_arguments
@@ -67,10 +67,10 @@ from .loss import (
     tokens_per_rank,
 )
 from .metrics import MicroBatchWalk, dense_micro_batch, micro_batch_metrics
-from .values import SampleValueLoss, check_episodes, sample_targets
+from .values import check_episodes, sample_targets
 
 
-class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
+class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelCheckpoints, AsyncGRPOTrainer):
     """TRL's ``AsyncGRPOTrainer`` (same arguments) training on one prefix trie of each optimizer step's
     rollouts: shared prefixes are forwarded and backpropagated once, memory is bounded by one root-to-leaf
     path (the ``tree_*`` budgets), no sample is dropped for its length, any attention the walk supports
@@ -128,14 +128,18 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
         self._walker = StepWalker(self.args, self.accelerator, self.model)
         self.add_callback(StepClockCallback(self._walker.step_clock))  # (times the decided steps)
         self._walker.check_models(  # (before the rollout worker starts: what the first walk would refuse)
-            self.model, tokenizer=self.processing_class, length=rollout_length(self.args),
+            self.model,
+            tokenizer=self.processing_class,
+            length=rollout_length(self.args),
             disable_dropout=getattr(self.args, "disable_dropout", True),
-        )  # fmt: skip
+        )
         a = self.args
         self._decoupled = None  # AReaL's decoupled objective (use_decoupled_loss), else TRL's coupled one
         if getattr(a, "use_decoupled_loss", False):
             self._decoupled = Decoupled(a.behav_imp_weight_cap, a.behav_imp_weight_mode)
-        self._init_value_model(value_model)  # (PPO with a value model: async_ppo/values.py)
+        self._critic = None  # PPO's value model (value_model=: async_ppo/values.py), else None
+        if value_model is not None:
+            self._critic = ValueModel.for_trainer(value_model, self, rollout_length(a))
         self._schedule: StepSchedule | None = None  # the current optimizer step's micro-batches
 
     def _use_walk_attention(self) -> None:
@@ -201,7 +205,8 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
         loss = torch.tensor(walked.loss, device=device, dtype=torch.float32)
         if training:
             self._walker.micro_batch_done(model)
-            self._value_model_step()  # (a value model: its optimizer step after the step's last micro-batch)
+            if self._critic is not None:  # (its optimizer step after the step's last micro-batch)
+                self._critic.micro_batch_done(self._metrics["train"])
             return torch.zeros((), device=device, requires_grad=True) + loss  # (gradients are in .grad)
         return loss
 
@@ -209,9 +214,15 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
         """TRL's loss of one collated micro-batch by a plain forward of each sample (with its graph): what
         ``tree_check_gradients``, and the tests, compare the walk with."""
         return dense_loss(
-            model, inputs, self.epsilon_low, self.epsilon_high, self.temperature,
-            self.current_gradient_accumulation_steps, self.accelerator.num_processes, self._decoupled,
-        )  # fmt: skip
+            model,
+            inputs,
+            self.epsilon_low,
+            self.epsilon_high,
+            self.temperature,
+            self.current_gradient_accumulation_steps,
+            self.accelerator.num_processes,
+            self._decoupled,
+        )
 
     def _prefer_dense(self, model, group: list[dict]) -> bool:
         """Whether the step of the micro-batches ``group`` takes the dense path (``tree_dense_fallback``: one
@@ -232,8 +243,14 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
         """The micro-batch's loss by the dense path (with its graph) and its share for the metrics."""
         samples = micro_batch_samples(inputs)
         normaliser = [tokens_per_rank(inputs, self.accelerator.num_processes)]
-        loss_fn = ClippedSurrogate(samples, normaliser, self.epsilon_low, self.epsilon_high,
-                                   self.current_gradient_accumulation_steps, self._decoupled)  # fmt: skip
+        loss_fn = ClippedSurrogate(
+            samples,
+            normaliser,
+            self.epsilon_low,
+            self.epsilon_high,
+            self.current_gradient_accumulation_steps,
+            self._decoupled,
+        )
         return dense_micro_batch(model, inputs, samples, loss_fn, self.temperature)
 
     def _dense_step_running(self) -> bool:
@@ -256,9 +273,11 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
         normalisers = [tokens_per_rank(inputs, world) for inputs in batches]
         sequences = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
         metrics = self._metrics["train" if training else "eval"]
-        critic = None
+        targets = None
         if self._critic is not None:  # the current value model's values, GAE: per-token advantages
-            samples, critic = self._value_advantages(samples, sequences, normalisers, accumulation, metrics)
+            samples, targets = sample_targets(
+                self._critic, samples, sequences, normalisers, accumulation, metrics
+            )
         loss_fn = ClippedSurrogate(
             samples, normalisers, self.epsilon_low, self.epsilon_high, accumulation, self._decoupled
         )
@@ -268,12 +287,8 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
         with walk as step:
             if training:
                 step.backward(loss_fn, self.temperature, entropies=True, entropy_grad=False)
-                if critic is not None:  # the value model on the same trie (its peak is the step's too)
-                    with self._walker.step(self._critic.model, sequences, metrics=metrics,
-                                           prefix="value_tree/") as value_step:  # fmt: skip
-                        value_step.backward(critic, entropies=False)
-                    metrics["value/loss"].append(self._reduced_loss(value_step.results, samples))
-                    step.include(value_step)
+                if targets is not None:  # the value model on the same trie (its peak is the step's too)
+                    step.include(self._critic.backward(sequences, targets, metrics))
             else:
                 step.score(loss_fn, self.temperature)
         results = step.results
@@ -287,31 +302,6 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
         for b, share in enumerate(out):
             share.loss = results.total([k for k, s in enumerate(samples) if s.batch == b])
         return out
-
-    def _value_advantages(self, samples, sequences, normalisers, accumulation, metrics):
-        """The step's samples with per-token advantages from GAE on the current value model's values (a
-        no-gradient walk of the step's trie), and the value model's walk loss (async_ppo/values.py)."""
-        with self._walker.step(self._critic.model, sequences, training=False) as step:
-            values = step.logprobs()
-        values = [v[s.positions.to(v.device)] for s, v in zip(samples, values, strict=True)]
-        a = self.args
-        reduce = (lambda t: self.accelerator.reduce(t, "sum")) if self.accelerator.num_processes > 1 else None
-        advantages, returns, value_metrics = sample_targets(
-            samples, values, gamma=a.gamma, lam=a.lam, whiten_advantages=a.whiten_advantages,
-            sum_over_processes=reduce,
-        )  # fmt: skip
-        for name, value in value_metrics.items():
-            metrics[name].append(value)
-        samples = [s._replace(advantage=adv) for s, adv in zip(samples, advantages, strict=True)]
-        loss = SampleValueLoss(samples, values, returns, normalisers, accumulation, a.cliprange_value)
-        return samples, loss
-
-    def _reduced_loss(self, results, samples) -> float:
-        """The step's value loss, over every rank (each rank's share is normalised per rank)."""
-        local = torch.tensor(
-            results.total(range(len(samples))), dtype=torch.float64, device=self.accelerator.device
-        )
-        return float(self.accelerator.reduce(local, reduction="sum")) / self.accelerator.num_processes
 
     def _within_staleness(self, samples: list) -> list:
         """The step's samples as they train: their staleness now (the policy version less each one's, over
@@ -340,9 +330,15 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelMixin, AsyncGRPOTrainer):
         """TRL's per-micro-batch metrics (``compute_loss``'s, logged under "train" as TRL's are; the decoupled
         objective's too) from the walk's values (:mod:`~trl_dta.train.async_ppo.metrics`), and TRL's
         per-step accounting."""
-        values = micro_batch_metrics(walked, self.accelerator, self.epsilon_low, self.epsilon_high,
-                                     self._decoupled, inputs["input_ids"].device,
-                                     version=self.model_version)  # fmt: skip
+        values = micro_batch_metrics(
+            walked,
+            self.accelerator,
+            self.epsilon_low,
+            self.epsilon_high,
+            self._decoupled,
+            inputs["input_ids"].device,
+            version=self.model_version,
+        )
         for name, value in values.items():
             self._metrics["train"][name].append(value)
         trained, forward, samples = inputs["counts"][0].tolist()  # (the micro-batch's, over all ranks)

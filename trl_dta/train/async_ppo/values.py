@@ -1,30 +1,28 @@
-""":class:`~trl_dta.AsyncTreePPOTrainer`'s value model (``value_model=``): PPO with a critic on asynchronous
-rollouts.
+""":class:`~trl_dta.AsyncTreePPOTrainer`'s side of its value model (:class:`~trl_dta.train.critic.value_model.
+ValueModel`): PPO with a critic on asynchronous rollouts.
 
 The rollout worker scores each sample (its reward travels in the sample's metrics) and stamps a group
-advantage on it; with a value model that advantage is not used. At each optimizer step, in the trainer:
+advantage on it; with a value model that advantage is not used. At each optimizer step, in the trainer
+(:func:`sample_targets`):
 
 1. the *current* value model walks the step's trie without gradients (values at training time, not at
-   generation: a sample generated several versions ago is valued by today's critic);
-2. GAE per sample over its trained tokens (:func:`~trl_dta.train.critic.gae.gae`: the tokens the policy
-   produced, tool responses left out), its reward on its last trained token; advantages whitened over the
-   step's trained tokens of every rank;
+   generation: a sample generated several versions ago is valued by today's critic), at each sample's
+   trained tokens (the tokens the policy produced, tool responses left out);
+2. GAE per sample, its reward on its last trained token; advantages whitened over the step's trained tokens
+   of every rank; a sample no reward function scored (a NaN reward) gets none;
 3. the policy's walk takes these per-token advantages (TRL's loss, or the decoupled one);
-4. the value model is walked on the same trie with the value loss (one implementation:
-   :class:`~trl_dta.train.critic.gae.ValueRowLoss`; its old values are the values of step 1, so the value clip
-   does not bind), normalised as the policy's loss (the micro-batch's trained tokens per rank, the
-   accumulation steps), and steps its own optimizer after the step's last micro-batch
-   (:class:`~trl_dta.train.critic.hooks.ValueModelMixin`'s, as the synchronous trainer's).
+4. the value model is walked on the same trie with the value loss (its old values are the values of step
+   1, so the value clip does not bind), normalised as the policy's loss (the micro-batch's trained tokens
+   per rank, the accumulation steps), and steps its own optimizer after the step's last micro-batch.
+
+GAE runs per row: :func:`check_episodes` refuses what that would get wrong.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-import torch
-
-from ..critic.gae import ValueRowLoss, value_targets
+from ..critic.value_model import ValueModel, ValueTarget
 from .loss import AsyncSample
 
 
@@ -56,61 +54,23 @@ def check_episodes(args, given: dict) -> None:
 
 
 def sample_targets(
+    critic: ValueModel,
     samples: Sequence[AsyncSample],
-    values: Sequence[torch.Tensor],
-    *,
-    gamma: float,
-    lam: float,
-    whiten_advantages: bool,
-    sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, float]]:
-    """Per sample, the advantages and returns of its trained tokens, by
-    :func:`~trl_dta.train.critic.gae.value_targets` on the samples as rows (``values[k]``: sample ``k``'s
-    values at its trained tokens; its reward on the last one); and the step's ``value/*`` metrics. A sample
-    no reward function scored (TRL's rollout worker gives it a NaN reward) gets advantages and returns of 0
-    and stays out of the whitening and the metrics, as an unscorable rollout in
-    :class:`~trl_dta.TreePPOTrainer`: :func:`scorable` says which."""
-    sizes = [v.numel() for v in values]
-    device = values[0].device if values else torch.device("cpu")
-    old = torch.zeros(len(values), max(sizes, default=0), device=device)
-    mask = torch.zeros(old.shape, dtype=torch.long, device=device)
-    for k, (s, v) in enumerate(zip(samples, values, strict=True)):
-        old[k, : v.numel()], mask[k, : v.numel()] = v.float(), int(scorable(s))
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64, device=device)
-    fields, metrics = value_targets(mask, rewards, old, gamma=gamma, lam=lam,
-                                    whiten_advantages=whiten_advantages,
-                                    sum_over_processes=sum_over_processes)  # fmt: skip
-    advantages, returns = fields["advantages"], fields["returns"]
-    return (
-        [advantages[k, :n] for k, n in enumerate(sizes)],
-        [returns[k, :n] for k, n in enumerate(sizes)],
-        metrics,
-    )
-
-
-def scorable(sample: AsyncSample) -> bool:
-    """Whether a reward function scored ``sample`` (TRL's rollout worker gives an unscorable one NaN)."""
-    return not math.isnan(sample.reward)
-
-
-class SampleValueLoss:
-    """The value model's walk loss for a step's samples (``(k, values, _) -> scalar``): sample ``k``'s value
-    loss at its trained tokens (:class:`~trl_dta.train.critic.gae.ValueRowLoss` on one row), over its
-    micro-batch's normaliser and the accumulation steps; 0 for an unscorable sample (:func:`scorable`)."""
-
-    def __init__(self, samples, old_values, returns, normalisers, accumulation, cliprange_value):
-        self.samples = samples
-        self.rows = [
-            ValueRowLoss(
-                torch.full((1, v.numel()), float(scorable(s)), device=v.device),
-                v[None],
-                r[None],
-                normalisers[s.batch] * accumulation,
-                cliprange_value,
-            )  # fmt: skip
-            for s, v, r in zip(samples, old_values, returns, strict=True)
-        ]
-
-    def __call__(self, k: int, values: torch.Tensor, _=None) -> torch.Tensor:
-        s = self.samples[k]
-        return self.rows[k](0, values[s.positions.to(values.device)])
+    sequences: Sequence,
+    normalisers,
+    accumulation: int,
+    metrics,
+) -> tuple[list[AsyncSample], list[ValueTarget]]:
+    """Steps 1-2 (module docstring): the step's ``samples`` with per-token advantages, and each one's
+    :class:`ValueTarget` for the value model's walk (step 4); the generation's ``value/*`` metrics logged
+    into ``metrics``."""
+    values = critic.values(sequences, [s.positions for s in samples])
+    targets = critic.targets(values, [s.reward for s in samples])
+    for name, value in targets.metrics.items():
+        metrics[name].append(value)
+    advantaged = [s._replace(advantage=a) for s, a in zip(samples, targets.advantages, strict=True)]
+    losses = [
+        ValueTarget(s.positions, v, r, float(scored), normalisers[s.batch] * accumulation)
+        for s, v, r, scored in zip(samples, values, targets.returns, targets.scored, strict=True)
+    ]
+    return advantaged, losses

@@ -1,6 +1,6 @@
 """The arithmetic of PPO with a value model (:class:`~trl_dta.TreePPOTrainer`'s ``value_model``): the
 terminal reward on each rollout's last policy token, generalised advantage estimation per rollout, advantage
-whitening, the clipped value loss, and that loss per row for the walk (:class:`ValueRowLoss`).
+whitening, the clipped value loss; the targets of sequences of different lengths (:func:`sequence_targets`).
 
 All three work on padded ``(B, T)`` completion tensors with a ``mask`` of the tokens the policy produced
 (TRL's :func:`~trl_dta.train.ppo.losses.loss_mask`: completion tokens, less the tool-response tokens of a
@@ -14,7 +14,9 @@ checked against loops written independently in ``tests/test_ppo_values.py`` (fp6
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -121,36 +123,6 @@ def clipped_value_loss(
     return 0.5 * torch.maximum(error, clipped_error), clipped_error > error
 
 
-class ValueRowLoss:
-    """``ValueRowLoss(mask, old_values, returns, norm, cliprange_value)(i, values, _)``: row ``i``'s share of
-    a micro-batch's value loss, the clipped loss of each of its policy tokens summed and divided by ``norm``
-    (the step's policy tokens per process: the loss is the mean over every token the step trains, whatever
-    the micro-batch or the process; a token shared by several rows is summed over them, each row with its
-    own target).
-
-    ``mask``, ``old_values``, ``returns``: the micro-batch's ``(B, T)`` value mask, old values and returns;
-    ``values`` passed to the call: the row's values over its first ``n <= T`` completion positions (the rest
-    is masked), with their autograd graph."""
-
-    def __init__(self, mask: torch.Tensor, old_values, returns, norm: float, cliprange_value: float | None):
-        self.mask, self.old_values, self.returns = mask, old_values, returns
-        self.norm, self.cliprange_value = norm, cliprange_value
-
-    def __call__(self, i: int, values: torch.Tensor, _=None) -> torch.Tensor:
-        n = values.shape[0]
-        old, returns = self.old_values[i, :n], self.returns[i, :n]
-        loss, _clipped = clipped_value_loss(values, old.to(values.dtype), returns.to(values.dtype),
-                                            self.cliprange_value)  # fmt: skip
-        return (loss * self.mask[i, :n]).sum() / self.norm
-
-    def clipped(self, i: int, values: torch.Tensor) -> torch.Tensor:
-        """Row ``i``'s policy tokens whose clipped term is the larger (``values`` as the call's)."""
-        n = values.shape[0]
-        old, returns = self.old_values[i, :n].to(values.dtype), self.returns[i, :n].to(values.dtype)
-        _, clipped = clipped_value_loss(values, old, returns, self.cliprange_value)
-        return clipped & self.mask[i, :n].bool()
-
-
 def value_targets(
     mask: torch.Tensor,
     rewards: torch.Tensor,
@@ -185,16 +157,27 @@ def value_targets(
         advantages = whiten(advantages, mask, sum_over_processes)
     on = mask.bool()
     error = (returns - values)[on]
-    sums = torch.stack([on.sum().double(), values[on].sum(), returns[on].sum(), (returns[on] ** 2).sum(),
-                        error.sum(), (error**2).sum()])  # fmt: skip
+    sums = torch.stack(
+        [
+            on.sum().double(),
+            values[on].sum(),
+            returns[on].sum(),
+            (returns[on] ** 2).sum(),
+            error.sum(),
+            (error**2).sum(),
+        ]
+    )
     count, value_sum, ret, ret2, err, err2 = reduce(sums).tolist()
     metrics = {}
     if count:
         var_returns = ret2 / count - (ret / count) ** 2
         var_error = err2 / count - (err / count) ** 2
         explained = 1.0 - var_error / var_returns if var_returns > 1e-12 else float("nan")
-        metrics = {"value/mean": value_sum / count, "value/returns_mean": ret / count,
-                   "value/explained_variance": explained}  # fmt: skip
+        metrics = {
+            "value/mean": value_sum / count,
+            "value/returns_mean": ret / count,
+            "value/explained_variance": explained,
+        }
     fields = {
         "advantages": advantages.float(),
         "returns": returns.float(),
@@ -202,3 +185,55 @@ def value_targets(
         "value_tokens": torch.tensor(count, device=mask.device),
     }
     return fields, metrics
+
+
+class Targets(NamedTuple):
+    """Per sequence, the advantages and returns of its trained tokens (0 for an unscorable rollout) and
+    whether it was scored; the scored trained tokens of every process (the value loss's normaliser); the
+    ``value/*`` metrics."""
+
+    advantages: list[torch.Tensor]
+    returns: list[torch.Tensor]
+    scored: list[bool]
+    tokens: float
+    metrics: dict[str, float]
+
+
+def sequence_targets(
+    values: Sequence[torch.Tensor],
+    rewards: Sequence[float],
+    *,
+    gamma: float,
+    lam: float,
+    whiten_advantages: bool,
+    sum_over_processes: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> Targets:
+    """:func:`value_targets` on sequences of different lengths: ``values[k]``, sequence ``k``'s values at
+    its trained tokens (1-D, in order), its reward ``rewards[k]`` on the last one. A NaN reward (a rollout no
+    reward function scored) gives zeros and stays out of the whitening and the metrics. Equal to the padded
+    ``(B, T)`` form with holes: GAE skips a hole as if it were not there."""
+    sizes = [v.numel() for v in values]
+    device = values[0].device if values else torch.device("cpu")
+    old = torch.zeros(len(values), max(sizes, default=0), device=device)
+    mask = torch.zeros(old.shape, dtype=torch.long, device=device)
+    scored = [not math.isnan(r) for r in rewards]
+    for k, v in enumerate(values):
+        old[k, : v.numel()], mask[k, : v.numel()] = v.float(), int(scored[k])
+    fields, metrics = value_targets(
+        mask,
+        torch.tensor([float(r) for r in rewards], dtype=torch.float64, device=device),
+        old,
+        gamma=gamma,
+        lam=lam,
+        whiten_advantages=whiten_advantages,
+        sum_over_processes=sum_over_processes,
+    )
+    advantages, returns = fields["advantages"], fields["returns"]
+    per_sequence = [(advantages[k, :n], returns[k, :n]) for k, n in enumerate(sizes)]
+    return Targets(
+        [a for a, _ in per_sequence],
+        [r for _, r in per_sequence],
+        scored,
+        float(fields["value_tokens"]),
+        metrics,
+    )

@@ -16,6 +16,7 @@ size instead of the padded count (see ``RowLoss``), so the global objective is u
 from __future__ import annotations
 
 import torch.distributed as dist
+from trl.trainer.utils import split_tensor_dict
 
 from ...partition import lexicographic_partition
 from .rows import BATCH_WIDE, PER_TOKEN, PROMPT, batch_rows, concat_batches, take_rows
@@ -65,3 +66,12 @@ def repartition(batch: dict, multiple: int = 1, costs=None) -> tuple[dict, dict]
     mine = {k: v.to(device) for k, v in _rows(merged, parts[rank], count).items()}
     info = {"rows": float(len(parts[rank])), "padded_rows": float(count - len(parts[rank]))}
     return mine, info
+
+
+def lexicographic(micro_batches: list[dict]) -> list[dict]:
+    """TRL's shuffled micro-batches of a generation batch, re-cut in lexicographic order of the rows
+    (``tree_lexicographic_steps``: each optimizer step's rows share more prefixes)."""
+    merged = concat_batches(micro_batches)
+    seqs = partition_sequences(merged)
+    order = sorted(range(len(seqs)), key=seqs.__getitem__)
+    return split_tensor_dict(take_rows(merged, order), len(micro_batches))

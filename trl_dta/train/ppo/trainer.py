@@ -37,29 +37,31 @@ from contextlib import contextmanager
 
 import torch
 from trl import GRPOTrainer
-from trl.trainer.utils import split_tensor_dict
 
 from ...vllm import VLLMMixin
-from ..critic.hooks import ValueModelMixin
-from ..dense_fallback import StepClockCallback, refuse_always
+from ..critic.value_model import ValueModel, ValueModelCheckpoints
+from ..dense_fallback import refuse_always
 from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments, rollout_length
 from ..step import StepWalker
+from ..step_clock import StepClockCallback
 from ..step_schedule import StepSchedule
 from ..tree_args import PAPER
 from .config import TreePPOConfig
 from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
-from .repartition import partition_sequences, repartition
-from .rows import concat_batches, take_rows
+from .repartition import lexicographic, repartition
 from .sequences import RowLosses, Walked, scatter, step_sequences, walked_batches
+from .values import batch_targets, micro_batch_targets
 
 logger = logging.getLogger(__name__)
 
-_MULTIMODAL = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
-               "token_type_ids", "mm_token_type_ids", "image_position_ids")  # fmt: skip
+_MULTIMODAL = tuple(  # the multimodal inputs TRL's batches can carry (refused)
+    "pixel_values image_grid_thw pixel_attention_mask spatial_shapes image_sizes token_type_ids "
+    "mm_token_type_ids image_position_ids".split()
+)
 
 
-class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer):
+class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelCheckpoints, GRPOTrainer):
     """A drop-in replacement for ``trl.GRPOTrainer`` (same arguments) that trains on one prefix trie of each
     optimizer step's rollouts: shared prefixes are forwarded and backpropagated once, with exactly the
     dense gradients.
@@ -77,7 +79,7 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
         args: should be a :class:`~trl_dta.TreePPOConfig` (a plain ``GRPOConfig`` gets the tree options'
             defaults; ``None`` makes a ``TreePPOConfig``).
         value_model (keyword): ``None`` (default): TRL's group-relative advantages, no critic. Else PPO with a
-            value model (:mod:`trl_dta.train.critic.hooks`, docs/ppo-critic.md): a Hub id or path (a
+            value model (:mod:`trl_dta.train.critic.value_model`, docs/ppo-critic.md): a Hub id or path (a
             ``*ForTokenClassification`` with ``num_labels=1`` loaded with ``model_init_kwargs``; a causal
             LM's checkpoint, the policy's own for a warm start, gets a zero head), or a module (a
             ``*ForTokenClassification``, or a PEFT model of one; :func:`~trl_dta.value_model_from` builds one
@@ -105,10 +107,16 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
         self._tree_ordered = None  # the buffered micro-batches last put in lexicographic order
         self._loss_settings = LossSettings.from_trainer(self)
         self._walker.check_models(  # (before any generation: what the first walk would refuse)
-            self.model, self.ref_model, tokenizer=self.processing_class, length=rollout_length(a),
+            self.model,
+            self.ref_model,
+            tokenizer=self.processing_class,
+            length=rollout_length(a),
             disable_dropout=a.disable_dropout,
-        )  # fmt: skip
-        self._init_value_model(value_model)
+        )
+        self._critic = None  # PPO's value model (value_model=: critic/value_model.py), else None
+        if value_model is not None:  # (after the policy's checks)
+            self._critic = ValueModel.for_trainer(value_model, self, rollout_length(a))
+        self._rewards_per_func = None  # the last generation batch's rewards (a value model's targets)
         # Re-partition the global batch in lexicographic runs, unless the loss has per-micro-batch statistics
         # (bnpo, top_entropy_quantile, entropy bonus): those keep TRL's per-rank batches.
         self._repartition = self._walker.multi_process and not (
@@ -124,12 +132,29 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
         return self._walker.executor(model)
 
     # ------------------------------------------------------------------ multi-process: re-partition
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self._critic is not None:
+            self._rewards_per_func = rewards  # (every process's rows, as TRL gathers them)
+        return rewards
+
     def _generate_and_score_completions(self, inputs):
-        output = self._value_targets(super()._generate_and_score_completions(inputs))
+        output = super()._generate_and_score_completions(inputs)
+        if self._critic is not None:  # GAE's per-token advantages replace TRL's group ones (ppo/values.py)
+            output = self._value_targets(output)
         if self._repartition and self.model.training:
             output, info = repartition(output, multiple=self.args.steps_per_generation)
             self._metrics["train"]["tree/rank_rows"].append(info["rows"])
             self._metrics["train"]["tree/rank_padding_rows"].append(info["padded_rows"])
+        return output
+
+    def _value_targets(self, output: dict) -> dict:
+        """The generation batch with its value model's targets (:func:`~trl_dta.train.ppo.values.
+        batch_targets`, from this process's rows of the rewards TRL gathered)."""
+        weights, process = self.reward_weights, self.accelerator.process_index
+        output, metrics = batch_targets(self._critic, output, self._rewards_per_func, weights, process)
+        for name, value in metrics.items():
+            self._metrics["train" if self.model.training else "eval"][name].append(value)
         return output
 
     # ------------------------------------------------------------------ opt-in: lexicographic steps
@@ -140,33 +165,31 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
             and self.model.training
             and self._buffered_inputs is not self._tree_ordered
         ):
-            self._buffered_inputs = self._tree_ordered = self._lexicographic(self._buffered_inputs)
+            self._buffered_inputs = self._tree_ordered = lexicographic(self._buffered_inputs)
             inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         return inputs
 
-    def _lexicographic(self, micro_batches: list[dict]) -> list[dict]:
-        """TRL's shuffled micro-batches of a generation batch, re-cut in lexicographic order of the rows."""
-        merged = concat_batches(micro_batches)
-        seqs = partition_sequences(merged)
-        order = sorted(range(len(seqs)), key=seqs.__getitem__)
-        return split_tensor_dict(take_rows(merged, order), len(micro_batches))
-
     # ------------------------------------------------------------------ TRL's log-prob passes
     def _get_per_token_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-        compute_aux_loss=False, **multimodal,
-    ):  # fmt: skip
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         """TRL's no-grad log-prob passes (old policy, reference model) through one trie of the batch, or TRL's
         own pass where ``tree_dense_fallback`` predicts it faster (the same values). Called
         by TRL's ``_compute_loss`` with a :class:`Walked` or :class:`_DensePass` in place of the model (see
         :meth:`_trl_loss`, :meth:`dense_loss`): the walk's values, or TRL's own dense pass."""
         if isinstance(model, Walked):
             return model.logps, model.entropies, model.aux
+        trl = (input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
         if isinstance(model, _DensePass):
-            return super()._get_per_token_logps_and_entropies(
-                model.module, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                compute_aux_loss, **multimodal,
-            )  # fmt: skip
+            return super()._get_per_token_logps_and_entropies(model.module, *trl, **multimodal)
         if any(multimodal.get(k) is not None for k in _MULTIMODAL):
             raise ValueError("multimodal inputs are not supported by the tree walk.")
         if torch.is_grad_enabled():
@@ -182,10 +205,7 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
         chunk = batch_size or input_ids.shape[0]  # (TRL's dense pass forwards the rows chunk by chunk)
         chunked = [s._replace(batch=o.row // chunk) for s, o in zip(seqs, owners, strict=True)]
         if self._walker.prefer_dense(model, chunked, timed=False):  # (tree_dense_fallback: TRL's own pass)
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
-                compute_aux_loss,
-            )  # fmt: skip
+            return super()._get_per_token_logps_and_entropies(model, *trl)
         with self._walker.step(model, seqs, training=False) as step:
             out = step.logprobs(self.temperature, entropies=compute_entropy)
         lps, ents = out if compute_entropy else (out, None)
@@ -221,7 +241,8 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
         loss = self._trl_loss(inputs, walked)
         if training:
             self._walker.micro_batch_done(model)  # (DDP: the step's gradients averaged once)
-            self._value_model_step()  # (a value model: its optimizer step after the step's last micro-batch)
+            if self._critic is not None:  # (its optimizer step after the step's last micro-batch)
+                self._critic.micro_batch_done(self._metrics["train"])
             return torch.zeros((), device=loss.device, requires_grad=True) + loss  # gradients are in .grad
         return loss
 
@@ -249,12 +270,17 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
             return False
         seqs, _ = step_sequences(group, keep_prompt_only=self.aux_loss_enabled)
         passes = float(self.top_entropy_quantile < 1.0) + float(self.aux_loss_enabled)
-        shapes = [(len(b["prompt_ids"]), b["prompt_ids"].shape[1] + b["completion_ids"].shape[1])
-                  for b in group]  # fmt: skip
+        shapes = [
+            (len(b["prompt_ids"]), b["prompt_ids"].shape[1] + b["completion_ids"].shape[1]) for b in group
+        ]
         return self._walker.prefer_dense(
-            model, seqs, no_grad_passes=passes, metrics=self._metrics["train"],
-            checkpointing=bool(self.args.gradient_checkpointing), shapes=shapes,
-        )  # fmt: skip
+            model,
+            seqs,
+            no_grad_passes=passes,
+            metrics=self._metrics["train"],
+            checkpointing=bool(self.args.gradient_checkpointing),
+            shapes=shapes,
+        )
 
     def _dense_step_running(self) -> bool:
         return self._schedule is not None and bool(self._schedule.dense)
@@ -299,8 +325,9 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
         keeps: the step's entropies (``top_entropy_quantile``), the MoE router counts, the walk."""
         seqs, owners = step_sequences(batches, keep_prompt_only=self.aux_loss_enabled)
         metrics = self._metrics["train" if training else "eval"]
-        with self._walker.step(model, seqs, training=training, metrics=metrics, dense_loss=self.dense_loss,
-                               batches=batches) as step:  # fmt: skip
+        with self._walker.step(
+            model, seqs, training=training, metrics=metrics, dense_loss=self.dense_loss, batches=batches
+        ) as step:
             quantile = None
             if self.top_entropy_quantile < 1.0:  # couples a micro-batch's rows: their entropies come first
                 _, ents = step.logprobs(self.temperature, entropies=True)
@@ -319,7 +346,8 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelMixin, GRPOTrainer)
             if training:
                 step.backward(losses, self.temperature, entropy_grad=self._entropy_bonus_enabled)
                 if self._critic is not None:  # the value model on the same trie (its peak is the step's too)
-                    step.include(self._walk_value_model(seqs, owners, batches, metrics))
+                    targets = micro_batch_targets(batches, owners, self)
+                    step.include(self._critic.backward(seqs, targets, metrics))
             else:
                 step.score(losses, self.temperature)
         if self.aux_loss_enabled:

@@ -24,8 +24,17 @@ import torch
 
 IGNORE = -100
 # what TRL's collator delivers; padding-free's sequence boundaries are read from position_ids alone
-KNOWN = {"input_ids", "labels", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k",
-         "max_length_q", "max_length_k", "seq_idx"}  # fmt: skip
+KNOWN = {
+    "input_ids",
+    "labels",
+    "attention_mask",
+    "position_ids",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+    "max_length_q",
+    "max_length_k",
+    "seq_idx",
+}
 
 
 class Sample(NamedTuple):

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 import torch
 from trl import SFTTrainer
 
-from ..dense_fallback import StepClockCallback
 from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments, sample_length
 from ..step import StepSequence, StepWalk, StepWalker
+from ..step_clock import StepClockCallback
 from ..step_schedule import StepSchedule, same_micro_batch
 from ..tree_args import PAPER
 from .config import TreeSFTConfig
@@ -103,9 +103,11 @@ class TreeSFTTrainer(RetriesDenseSteps, SFTTrainer):
         self._schedule: StepSchedule | None = None  # the current optimizer step's micro-batches
         length = sample_length(self.args, self.train_dataset, self.eval_dataset)
         self._walker.check_models(  # (before any step: what the first walk would refuse)
-            self.model, tokenizer=self.processing_class, length=length,
+            self.model,
+            tokenizer=self.processing_class,
+            length=length,
             disable_dropout=getattr(self.args, "disable_dropout", TreeSFTConfig.disable_dropout),
-        )  # fmt: skip
+        )
 
     def _refuse_unsupported(self) -> None:
         """What the walk cannot do in an SFT run (the rest: :class:`~trl_dta.train.step.StepWalker`)."""
@@ -167,11 +169,13 @@ class TreeSFTTrainer(RetriesDenseSteps, SFTTrainer):
         (:meth:`StepWalker.prefer_dense`) for all of its micro-batches."""
         samples = batch_samples(schedule.batches, whole=self.aux_loss_enabled)
         return self._walker.prefer_dense(
-            self.model, [StepSequence(s.tokens, s.batch, s.score_from) for s in samples],
-            no_grad_passes=float(self._tree_accuracy), metrics=self._metrics["train"],
+            self.model,
+            [StepSequence(s.tokens, s.batch, s.score_from) for s in samples],
+            no_grad_passes=float(self._tree_accuracy),
+            metrics=self._metrics["train"],
             checkpointing=bool(self.args.gradient_checkpointing),
             shapes=[tuple(b["input_ids"].shape) for b in schedule.batches],
-        )  # fmt: skip
+        )
 
     def _dense_step_running(self) -> bool:
         return self._schedule is not None and bool(self._schedule.dense)
@@ -211,8 +215,9 @@ class TreeSFTTrainer(RetriesDenseSteps, SFTTrainer):
         out = [_MicroBatch() for _ in batches]
         sequences = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
         dense_loss = functools.partial(self.dense_loss, num_items_in_batch=num_items)
-        with self._walker.step(model, sequences, metrics=self._metrics["train"], dense_loss=dense_loss,
-                               batches=batches) as step:  # fmt: skip
+        with self._walker.step(
+            model, sequences, metrics=self._metrics["train"], dense_loss=dense_loss, batches=batches
+        ) as step:
             if self._tree_accuracy:
                 self._count_correct(step, samples, out)
             aux_values = [0.0] * len(batches)
