@@ -195,8 +195,9 @@ class LexicographicPartitionSampler(Sampler[int]):
         costs: balance by these call costs (:func:`lexicographic_partition`), the same on every rank.
     """
 
-    def __init__(self, sequences: Sequence[Any], num_replicas: int | None = None, rank: int | None = None,
-                 costs=None):  # fmt: skip
+    def __init__(
+        self, sequences: Sequence[Any], num_replicas: int | None = None, rank: int | None = None, costs=None
+    ):
         if num_replicas is None or rank is None:
             import torch.distributed as dist
 

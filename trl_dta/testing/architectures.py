@@ -27,37 +27,94 @@ MAX_PARAMETERS = 1_000_000_000
 
 # Shrunk sizes; a key is set only if the config class knows it (``attribute_map`` aliases included).
 TINY = dict(  # noqa: C408 - keyword style keeps the long list readable
-    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
     # other spellings (encoder-decoder style, GPT-J style)
-    d_model=32, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
-    decoder_ffn_dim=48, encoder_ffn_dim=48, num_layers=2, ffn_hidden_size=48, n_positions=256, num_heads=4,
-    rotary_dim=4, head_dim=8, intermediate_size=48, max_position_embeddings=256, initializer_range=0.2,
+    d_model=32,
+    decoder_layers=2,
+    encoder_layers=2,
+    decoder_attention_heads=4,
+    encoder_attention_heads=4,
+    decoder_ffn_dim=48,
+    encoder_ffn_dim=48,
+    num_layers=2,
+    ffn_hidden_size=48,
+    n_positions=256,
+    num_heads=4,
+    rotary_dim=4,
+    head_dim=8,
+    intermediate_size=48,
+    max_position_embeddings=256,
+    initializer_range=0.2,
     # MoE
-    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-    n_shared_experts=1, shared_expert_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1,
-    moe_num_experts=4, moe_topk=2, num_shared_experts=1, output_router_logits=False,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    shared_expert_intermediate_size=16,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    moe_num_experts=4,
+    moe_topk=2,
+    num_shared_experts=1,
+    output_router_logits=False,
     # MLA (DeepSeek-V2/V3 style)
-    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=4,
+    qk_nope_head_dim=4,
+    v_head_dim=8,
     # windows and chunks: small enough that the test tries exceed them
-    sliding_window=WINDOW, window_size=WINDOW, attention_chunk_size=WINDOW,
+    sliding_window=WINDOW,
+    window_size=WINDOW,
+    attention_chunk_size=WINDOW,
     # no dropout anywhere (the walk refuses active dropout; the models run in eval mode anyway)
-    tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
     attention_types=[[["global", "local"], 1]],  # GPT-Neo: one global, one local layer
     # per-layer embeddings (Gemma 3n/4), linear attention heads, other spellings of the sizes
-    vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, num_kv_shared_layers=0,
-    activation_sparsity_pattern=None, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-    linear_num_value_heads=4, ffn_dim=48, attention_heads=4,
+    vocab_size_per_layer_input=VOCAB,
+    hidden_size_per_layer_input=8,
+    num_kv_shared_layers=0,
+    activation_sparsity_pattern=None,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    ffn_dim=48,
+    attention_heads=4,
     # state-space layers: small states and scan chunks (a 256-token chunk pads every tiny call to 256)
-    state_size=16, ssm_state_size=16, mamba_d_state=16, chunk_size=8, mamba_chunk_size=8, n_groups=1,
-    mamba_n_groups=1, mamba_n_heads=4, mamba_num_heads=4, mamba_d_head=16, mamba_head_dim=8, mamba_d_ssm=64,
-)  # fmt: skip
+    state_size=16,
+    ssm_state_size=16,
+    mamba_d_state=16,
+    chunk_size=8,
+    mamba_chunk_size=8,
+    n_groups=1,
+    mamba_n_groups=1,
+    mamba_n_heads=4,
+    mamba_num_heads=4,
+    mamba_d_head=16,
+    mamba_head_dim=8,
+    mamba_d_ssm=64,
+)
 
 # Cases beyond each model type's defaults: the settings that change what the walk must do.
 _DYNAMIC = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
 _LONGROPE = {
-    "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": WINDOW,
-    "short_factor": [1.0] * 4, "long_factor": [2.0, 3.0, 4.0, 5.0],
-}  # fmt: skip
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "original_max_position_embeddings": WINDOW,
+    "short_factor": [1.0] * 4,
+    "long_factor": [2.0, 3.0, 4.0, 5.0],
+}
 EXTRA_CASES = {
     "falcon (alibi)": ("falcon", {"alibi": True}),
     "qwen2 (sliding window)": (
@@ -82,10 +139,27 @@ EXTRA_CASES = {
 }
 # the quick subset of the default test run: one of each kind of behaviour
 QUICK = [
-    "llama", "mistral", "starcoder2", "phi3", "mixtral", "qwen2 (sliding window)", "gemma2", "gpt_neo", "mpt",
-    "bloom", "falcon (alibi)", "gpt2", "llama4_text", "qwen3_5_text", "deepseek_v3", "bart", "bert",
-    "llama (dynamic RoPE)", "phi3 (longrope)", "lfm2 (conv layers)",
-]  # fmt: skip
+    "llama",
+    "mistral",
+    "starcoder2",
+    "phi3",
+    "mixtral",
+    "qwen2 (sliding window)",
+    "gemma2",
+    "gpt_neo",
+    "mpt",
+    "bloom",
+    "falcon (alibi)",
+    "gpt2",
+    "llama4_text",
+    "qwen3_5_text",
+    "deepseek_v3",
+    "bart",
+    "bert",
+    "llama (dynamic RoPE)",
+    "phi3 (longrope)",
+    "lfm2 (conv layers)",
+]
 # model types whose default config does not build a model without a few more settings
 TYPE_OVERRIDES = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},

@@ -98,27 +98,47 @@ def rollout(tokens, completion_mask, old_logps, advantage: float, version: int =
     """A ``RolloutSample`` (TRL's rollout worker's type) from a token list, its completion mask and its
     behaviour log-probs (both aligned with ``tokens``)."""
     return RolloutSample(
-        prompt=[], completion=[],
+        prompt=[],
+        completion=[],
         input_ids=np.asarray(tokens, dtype=np.int64),
         completion_mask=np.asarray(completion_mask, dtype=np.int64),
         old_log_probs=np.asarray(old_logps, dtype=np.float32),
-        advantage=float(advantage), model_version=version, group_id=group,
+        advantage=float(advantage),
+        model_version=version,
+        group_id=group,
         metrics={"reward": float(advantage)},
-    )  # fmt: skip
+    )
 
 
 def as_example(sample: RolloutSample) -> dict:
     """The dict TRL's ``RolloutQueueDataset`` yields for a sample."""
     return {
-        "input_ids": sample.input_ids, "completion_mask": sample.completion_mask,
-        "old_log_probs": sample.old_log_probs, "advantage": sample.advantage, "group_id": sample.group_id,
+        "input_ids": sample.input_ids,
+        "completion_mask": sample.completion_mask,
+        "old_log_probs": sample.old_log_probs,
+        "advantage": sample.advantage,
+        "group_id": sample.group_id,
         "metrics": sample.metrics,
-    }  # fmt: skip
+    }
 
 
-def cpu_tree_attention(module, query, key, value, attention_mask, *, tree_kv_index, tree_cu_seqlens_q,
-                       tree_cu_seqlens_k, tree_max_seqlen_q=None, tree_max_seqlen_k=None, scaling=None,
-                       sliding_window=None, softcap=None, **kwargs):  # fmt: skip
+def cpu_tree_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    *,
+    tree_kv_index,
+    tree_cu_seqlens_q,
+    tree_cu_seqlens_k,
+    tree_max_seqlen_q=None,
+    tree_max_seqlen_k=None,
+    scaling=None,
+    sliding_window=None,
+    softcap=None,
+    **kwargs,
+):
     """TRL's tree attention (``trl.experimental.async_grpo.packing.tree_attention``) in plain PyTorch: each
     segment's queries attend causally (bottom-right aligned, as FA3's varlen kernel with ``causal=True``) to
     the K/V of its root-to-segment path, gathered by ``tree_kv_index``."""
@@ -177,8 +197,18 @@ def policy_logps(model, tokens, temperature: float = 1.0) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()
 
 
-def synthetic_rollouts(seed, model, temperature: float = 1.0, groups=2, per_group=3, versions=(0,), prompt=6,
-                       long_tail=0, noise=0.4, vocab=(10, 590)):  # fmt: skip
+def synthetic_rollouts(
+    seed,
+    model,
+    temperature: float = 1.0,
+    groups=2,
+    per_group=3,
+    versions=(0,),
+    prompt=6,
+    long_tail=0,
+    noise=0.4,
+    vocab=(10, 590),
+):
     """Rollout samples in ``groups`` of ``per_group`` that share a prompt (``prompt`` tokens, or one length
     per group); even members also share a first turn; the second member has a masked tool response inside
     its completion. Behaviour log-probs are ``model``'s own plus uniform noise of ``noise`` (importance

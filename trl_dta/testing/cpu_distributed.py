@@ -31,8 +31,13 @@ _DEEPSPEED = {
     "bf16": {"enabled": False},
     "fp16": {"enabled": False},
 }
-_FSDP2 = {"fsdp_version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "reshard_after_forward": True,
-          "state_dict_type": "FULL_STATE_DICT", "cpu_ram_efficient_loading": False}  # fmt: skip
+_FSDP2 = {
+    "fsdp_version": 2,
+    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+    "reshard_after_forward": True,
+    "state_dict_type": "FULL_STATE_DICT",
+    "cpu_ram_efficient_loading": False,
+}
 
 
 def deepspeed_config(stage: int) -> dict:

@@ -45,7 +45,7 @@ from .shop import (  # noqa: F401  (re-exported: the fixture's names in one plac
     make_dataset,
     reward_fn,
     tiny_tokenizer,
-)  # fmt: skip
+)
 
 
 def tiny_model(tokenizer=None, seed: int = 0, dtype=torch.float32, attn: str = "sdpa", **overrides):
@@ -54,11 +54,22 @@ def tiny_model(tokenizer=None, seed: int = 0, dtype=torch.float32, attn: str = "
     untouched. `overrides` go to Qwen3Config."""
     tokenizer = tokenizer or tiny_tokenizer()
     kw = dict(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=2048,
-        tie_word_embeddings=False, initializer_range=0.2, rms_norm_eps=1e-6, attention_dropout=0.0,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        rms_norm_eps=1e-6,
+        attention_dropout=0.0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+    )
     kw.update(overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

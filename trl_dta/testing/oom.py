@@ -39,9 +39,15 @@ class InjectOOM:
     per counted call, whether ``record`` was on the stack)."""
 
     def __init__(
-        self, module: nn.Module, at: int | None, inside: str | None = None, backward: bool = False,
-        times: int = 1, error: type[BaseException] = torch.OutOfMemoryError, record: str | None = None,
-    ):  # fmt: skip
+        self,
+        module: nn.Module,
+        at: int | None,
+        inside: str | None = None,
+        backward: bool = False,
+        times: int = 1,
+        error: type[BaseException] = torch.OutOfMemoryError,
+        record: str | None = None,
+    ):
         self.module, self.at, self.inside, self.backward = module, at, inside, backward
         self.times, self.error, self.record = times, error, record
         self.calls = self.raised = 0

@@ -30,21 +30,27 @@ from .grpo import SYSTEM_PROMPT, TOOLS, _order_id, _user_message, cancel_order, 
 
 
 def _call(name: str, arguments: dict) -> dict:
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
-    ]}  # fmt: skip
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}],
+    }
 
 
 def _conversation(i: int) -> list[dict]:
     oid = _order_id(i)
     messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": _user_message(i)}]
-    messages += [_call("get_order_status", {"order_id": oid}),
-                 {"role": "tool", "name": "get_order_status", "content": get_order_status(oid)}]  # fmt: skip
+    messages += [
+        _call("get_order_status", {"order_id": oid}),
+        {"role": "tool", "name": "get_order_status", "content": get_order_status(oid)},
+    ]
     if i % 2:
         reason = "changed my mind"
         result = cancel_order(oid, reason)
-        messages += [_call("cancel_order", {"order_id": oid, "reason": reason}),
-                     {"role": "tool", "name": "cancel_order", "content": result}]  # fmt: skip
+        messages += [
+            _call("cancel_order", {"order_id": oid, "reason": reason}),
+            {"role": "tool", "name": "cancel_order", "content": result},
+        ]
     messages.append(
         {"role": "assistant", "content": f"Done for order {oid}. Note {i}: thank you for waiting."}
     )

@@ -29,8 +29,11 @@ def run_workers(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     env = {"OPENBLAS_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **kwargs.pop("env", {})}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, **kwargs)
     if result.returncode != 0 and ABORT in result.stderr:
-        print(f"run_workers: a rank aborted ({ABORT!r}): does the worker end with exit_worker()? "
-              "(trl_dta/testing/torchrun.py)", file=sys.stderr)  # fmt: skip
+        print(
+            f"run_workers: a rank aborted ({ABORT!r}): does the worker end with exit_worker()? "
+            "(trl_dta/testing/torchrun.py)",
+            file=sys.stderr,
+        )
     return result
 
 

@@ -89,10 +89,21 @@ class VLLMServer:
     @property
     def command(self) -> list[str]:
         return [
-            self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-            "--host", "127.0.0.1", "--port", str(self.port), "--dtype", self.dtype, "--enforce-eager",
-            *TRL_SERVER_ARGS, *self.args,
-        ]  # fmt: skip
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--enforce-eager",
+            *TRL_SERVER_ARGS,
+            *self.args,
+        ]
 
     def start(self) -> VLLMServer:
         """Start the server and wait until ``/health`` answers 200 (at most ``startup_timeout`` s)."""

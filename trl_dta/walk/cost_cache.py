@@ -54,9 +54,20 @@ def model_signature(config, dtype: torch.dtype, attention: str, packed: str) -> 
     """The model's shape as the constants see it: widths, depth, vocabulary, dtype, attention kernel and
     the pairs it computes in a packed row (``packed``: "rectangle", "tiles" or "segments")."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
-            "num_experts_per_tok", "vocab_size")  # fmt: skip
+    keys = (
+        "model_type",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_experts",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "vocab_size",
+    )
     shape = {k: getattr(config, k, None) for k in keys}
     text = json.dumps([shape, str(dtype), attention, packed], sort_keys=True)
     short = hashlib.sha256(text.encode()).hexdigest()[:12]

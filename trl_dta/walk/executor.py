@@ -30,8 +30,6 @@ calls is exactly ``sum_i loss_fn(i, logps_i, entropies_i).backward()`` over dens
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -44,10 +42,11 @@ from ..trie import PrefixTrie
 from . import deepspeed as zero
 from . import flash
 from .budgets import Budgets, TokenBudgets
+from .call_checks import check_backward_call, check_walk_call
 from .checks import check_count
 from .cost_model import CostModel
 from .costs import CallCost
-from .errors import ArgumentTypeError, UnsupportedModelError
+from .errors import ArgumentTypeError
 from .flops import flops as count_flops
 from .inputs import WalkInputs
 from .model import CausalLM
@@ -57,7 +56,7 @@ from .plan import build_plan
 from .recovery import RETRIES, OOMRecovery
 from .router import RouterGrad, RouterStats
 from .scoring import scored_from
-from .sharding import agree_on, fsdp_units, gathered
+from .sharding import agree_on, gathered
 from .state import CallCounts, OnSequence, Walk
 from .steps import capacity, run_step
 
@@ -242,8 +241,9 @@ class TreeExecutor:
 
         self._recovered(
             lambda: self._walk(trie, temperature, entropies, record, grad=False, score_from=score_from),
-            trie, grad=False,
-        )  # fmt: skip
+            trie,
+            grad=False,
+        )
         return (logps, ents) if entropies else logps
 
     def flops(self, trie: PrefixTrie, score_from: Sequence[int] | None = None) -> tuple[float, float]:
@@ -287,24 +287,7 @@ class TreeExecutor:
         each sequence's log-probs from its ``score_from`` index on. ``entropy_grad=False``: the entropies
         ``loss_fn`` gets are values without a gradient (for metrics and masks; half the LM head's saved
         memory); the loss must then not be differentiated through them."""
-        if router_grad is not None and not self.lm.is_moe:
-            raise ValueError(f"router_grad given, but {self.lm.name} has no MoE router.")
-        if router_grad is not None and self.gather_per_layer and fsdp_units(self.lm.model):
-            raise UnsupportedModelError(
-                "gather_per_layer with an MoE router loss is not supported: a gradient that reaches a layer "
-                "through its router logits alone would find the layer resharded. Use the default gather-once "
-                "mode."
-            )
-        if torch.is_inference_mode_enabled() or not torch.is_grad_enabled():
-            mode = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
-            raise RuntimeError(
-                f"TreeExecutor.backward was called under {mode}: it computes gradients, so it needs autograd "
-                "on. Call it outside that context (logprobs() is the no-gradient walk)."
-            )
-        if not any(p.requires_grad for p in self.lm.model.parameters()):
-            raise ValueError(
-                f"{self.lm.name} has no parameter that requires grad: backward has nothing to do."
-            )
+        check_backward_call(self.lm, router_grad, self.gather_per_layer)
         total = []
 
         def on_loss(index, lp, ent):
@@ -323,9 +306,15 @@ class TreeExecutor:
         def walk() -> None:
             total.clear()  # (a retried walk scores every sequence again)
             self._walk(
-                trie, temperature, entropies, on_loss, grad=True, router=router_grad, score_from=score_from,
+                trie,
+                temperature,
+                entropies,
+                on_loss,
+                grad=True,
+                router=router_grad,
+                score_from=score_from,
                 entropy_grad=entropy_grad,
-            )  # fmt: skip
+            )
 
         self._recovered(walk, trie, grad=True, entropy_grad=entropies and entropy_grad)
         return float(sum(t.detach().double() for t in total)) if total else 0.0
@@ -341,25 +330,19 @@ class TreeExecutor:
 
     # ------------------------------------------------------------------ the walk
     def _walk(
-        self, trie: PrefixTrie, temperature: float, entropies: bool, on_sequence: OnSequence, grad: bool,
-        router: RouterGrad | RouterStats | None = None, scoring: bool = True,
-        score_from: Sequence[int] | None = None, entropy_grad: bool = True,
-    ) -> None:  # fmt: skip
-        if not isinstance(trie, PrefixTrie):
-            raise ArgumentTypeError(
-                f"expected a PrefixTrie (PrefixTrie.from_sequences(...)), got {type(trie).__name__}"
-            )
-        if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-            raise ArgumentTypeError(f"temperature must be a number, got {type(temperature).__name__}")
-        if not 0 < temperature < math.inf:  # NaN fails too
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+        self,
+        trie: PrefixTrie,
+        temperature: float,
+        entropies: bool,
+        on_sequence: OnSequence,
+        grad: bool,
+        router: RouterGrad | RouterStats | None = None,
+        scoring: bool = True,
+        score_from: Sequence[int] | None = None,
+        entropy_grad: bool = True,
+    ) -> None:
         model, lm = self.lm.model, self.lm
-        if lm.value_head and (entropies or temperature != 1.0):
-            raise ValueError(
-                f"{lm.name} is a value model: its walk gives values, which have no "
-                f"{'entropies' if entropies else 'temperature'}; walk it with entropies=False and "
-                "temperature=1.0."
-            )
+        check_walk_call(lm, trie, temperature, entropies)
         agree_on(lm.check_sequences, trie, model)  # (sharded: every rank raises if one does)
         if zero.is_deepspeed(model):  # DeepSpeed ZeRO-2/3: gathered once, reduced once per step
             sharded = zero.gathered(model, grad, self.gather_per_layer)
@@ -375,10 +358,22 @@ class TreeExecutor:
             plan = self.plan(trie, entropy_grad, explore=explore)
             path_kv = PathKV(capacity(plan, self.pack_leaves))
             walk = Walk(
-                trie, temperature, entropies, grad, on_sequence, path_kv, seq_from,
-                node_from, router, scoring, self.calls, lockstep, entropy_grad=entropy_grad,
-                inputs=WalkInputs(trie, plan, self.device, self.pack_leaves, lm.segment_attention), peak=peak,
-            )  # fmt: skip
+                trie,
+                temperature,
+                entropies,
+                grad,
+                on_sequence,
+                path_kv,
+                seq_from,
+                node_from,
+                router,
+                scoring,
+                self.calls,
+                lockstep,
+                entropy_grad=entropy_grad,
+                inputs=WalkInputs(trie, plan, self.device, self.pack_leaves, lm.segment_attention),
+                peak=peak,
+            )
             timing = None
             if grad and self.cost_model is not None:  # (the gradient walks are timed: docs/cost-model.md)
                 self.cost_model.start(lm, self.device)

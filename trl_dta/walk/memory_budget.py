@@ -28,9 +28,17 @@ from .errors import ArgumentTypeError
 
 UNITS = {
     "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50,
-}  # fmt: skip
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "pb": 10**15,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pib": 2**50,
+}
 NONE_WORDS = ("none", "null")
 AUTO_FRACTION = 0.9  # "auto" on CUDA: this share of the free memory at the first walk
 FORMS = (

@@ -172,8 +172,11 @@ class OOMRecovery:
             self._clean = 0
             logger.warning(
                 "The tree walk ran out of memory (%s); its gradients are discarded and it is walked again "
-                "with halved budgets: %s -> %s (tree/oom_retries).", failure, _str(used), _str(smaller),
-            )  # fmt: skip
+                "with halved budgets: %s -> %s (tree/oom_retries).",
+                failure,
+                _str(used),
+                _str(smaller),
+            )
         raise AssertionError("unreachable")  # pragma: no cover
 
     def take_retries(self) -> int:

@@ -89,8 +89,16 @@ def _groups(unit):
 
 
 def _flags(unit) -> list[tuple]:
-    return [(g.post_forward_mesh_info, g.reshard_after_backward, g.reduce_grads, g.all_reduce_grads,
-             getattr(g, "reduce_scatter_unused_params", None)) for g in _groups(unit)]  # fmt: skip
+    return [
+        (
+            g.post_forward_mesh_info,
+            g.reshard_after_backward,
+            g.reduce_grads,
+            g.all_reduce_grads,
+            getattr(g, "reduce_scatter_unused_params", None),
+        )
+        for g in _groups(unit)
+    ]
 
 
 def _restore(unit, flags: list[tuple]) -> None:
@@ -131,8 +139,10 @@ def _check_per_layer(units: list, layers: list, decoder_layers: list) -> None:
             "inside its layers. Shard each layer as one unit, or use the default gather-once mode."
         )
     if not hasattr(units[0], "set_reduce_scatter_unused_params") and world_size() > 1:
-        raise UnsupportedModelError("gather_per_layer across ranks needs a torch with FSDP2's "
-                                    "set_reduce_scatter_unused_params (2.10 or later).")  # fmt: skip
+        raise UnsupportedModelError(
+            "gather_per_layer across ranks needs a torch with FSDP2's "
+            "set_reduce_scatter_unused_params (2.10 or later)."
+        )
 
 
 @contextlib.contextmanager

@@ -92,7 +92,11 @@ class Frame:
         cls, segment: Segment, out: SegmentOutputs, kv_from: int, with_graph: bool, entropy_grad: bool = True
     ) -> Frame:
         return cls(
-            segment, out.caches, out.last_hidden, out.logps, out.entropies,
+            segment,
+            out.caches,
+            out.last_hidden,
+            out.logps,
+            out.entropies,
             states_in=[{k: handle(t) for k, t in layer.items()} for layer in states_of(out.caches)],
             last_hidden_in=handle(out.last_hidden),
             logps_in=handle(out.logps),
@@ -101,7 +105,7 @@ class Frame:
             kv_from=kv_from,
             router_term=out.router_term if with_graph else None,
             pending=out.pending,
-        )  # fmt: skip
+        )
 
     def outputs(self) -> list[torch.Tensor | None]:
         return flat_outputs(self.caches, self.last_hidden, self.logps, self.entropies)

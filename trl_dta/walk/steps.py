@@ -122,9 +122,16 @@ def _compute_segment(lm: CausalLM, walk: Walk, segment: Segment) -> SegmentOutpu
     first = walk.first_scored(segment.node)
     froms = [max(first, start) if lead else first]
     lps, ents, firsts = score_rows(
-        lm, [hidden[0]], [ids], start, walk.parent_hidden(), walk.temperature, walk.entropies, froms,
+        lm,
+        [hidden[0]],
+        [ids],
+        start,
+        walk.parent_hidden(),
+        walk.temperature,
+        walk.entropies,
+        froms,
         walk.entropy_grad,
-    )  # fmt: skip
+    )
     ent = ents[0] if walk.entropies else None
     return SegmentOutputs(caches, hidden[:, -1:], lps[0], ent, router_term, firsts[0], None)
 
@@ -136,9 +143,16 @@ def _defer(lm: CausalLM, walk: Walk, segment: Segment, ids: torch.Tensor) -> Seg
     if not walk.scoring:
         return SegmentOutputs([], None, parent_hidden.new_zeros(0), None, None, segment.end - 1, ids)
     lps, ents, firsts = score_rows(
-        lm, [parent_hidden.reshape(1, -1)[:0]], [ids], segment.start, parent_hidden,
-        walk.temperature, walk.entropies, [walk.first_scored(segment.node)], walk.entropy_grad,
-    )  # fmt: skip
+        lm,
+        [parent_hidden.reshape(1, -1)[:0]],
+        [ids],
+        segment.start,
+        parent_hidden,
+        walk.temperature,
+        walk.entropies,
+        [walk.first_scored(segment.node)],
+        walk.entropy_grad,
+    )
     ent = ents[0] if walk.entropies else None
     return SegmentOutputs([], None, lps[0], ent, None, firsts[0], ids)
 

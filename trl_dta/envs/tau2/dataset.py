@@ -44,8 +44,10 @@ def _split_ids(d: Domain, split: str | None) -> list[str]:
         bucket = {i: int(hashlib.sha256(f"{d.name}:{i}".encode()).hexdigest()[:8], 16) % 100 for i in order}
         train = [i for i in order if bucket[i] < 80]
         return train if split == "train" else [i for i in order if i not in set(train)]
-    raise ValueError(f"Unknown split {split!r} for τ² domain {d.name!r}: expected one of "
-                     f"{sorted({'train', 'test', 'all', *d.splits})}.")  # fmt: skip
+    raise ValueError(
+        f"Unknown split {split!r} for τ² domain {d.name!r}: expected one of "
+        f"{sorted({'train', 'test', 'all', *d.splits})}."
+    )
 
 
 def _has_history(task) -> bool:

@@ -112,13 +112,22 @@ def get_domain(name: str) -> Domain:
         splits = {}
     specs = tool_specs(env.tools)
     return Domain(
-        name=name, module=module, db_cls=type(db), pristine=pristine, pristine_db=db, exact_copy=exact,
-        policy=env.get_policy(), tasks=tasks, splits=splits, tools=specs, shared=env,
+        name=name,
+        module=module,
+        db_cls=type(db),
+        pristine=pristine,
+        pristine_db=db,
+        exact_copy=exact,
+        policy=env.get_policy(),
+        tasks=tasks,
+        splits=splits,
+        tools=specs,
+        shared=env,
         pristine_hashes=(env.get_db_hash(), env.get_user_db_hash()),
         write_tools=frozenset(s.name for s in specs if s.tool_type == "write"),
         read_only_tools=frozenset(s.name for s in specs if s.tool_type in ("read", "think")),
         transfer_tools=frozenset(s.name for s in specs if s.name.startswith("transfer_to_human")),
-    )  # fmt: skip
+    )
 
 
 def apply_initial_state(environment, task) -> None:

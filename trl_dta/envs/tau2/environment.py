@@ -324,10 +324,12 @@ class Tau2Environment:
         return reply
 
     send_message_to_user.__signature__ = inspect.Signature(
-        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-         inspect.Parameter("message", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str)],
+        [
+            inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+            inspect.Parameter("message", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str),
+        ],
         return_annotation=str,
-    )  # fmt: skip
+    )
     send_message_to_user.__annotations__ = {"message": str, "return": str}  # noqa: RUF012
 
     # ---------------------------------------------------------------------------------------------- reward
@@ -342,16 +344,28 @@ class Tau2Environment:
         if self._task is None:
             self.reward_info = {"reward": 0.0, "note": "not reset"}
             return 0.0
-        info: dict = {"termination": self._termination, "num_tool_calls": len(self._calls),
-                      "num_tool_errors": self._num_errors, "num_user_turns": self._user_turns}  # fmt: skip
+        info: dict = {
+            "termination": self._termination,
+            "num_tool_calls": len(self._calls),
+            "num_tool_errors": self._num_errors,
+            "num_user_turns": self._user_turns,
+        }
         abnormal = None
         if self._termination in ("too_many_errors", "error"):
             abnormal = self._failure or self._termination
         try:
-            info.update(episode_reward(
-                self._d, self._task, self._calls, self._agent_messages, db_hashes=self._db_hashes,
-                environment=self._private_environment, abnormal=abnormal, shaping=self._shaping,
-            ))  # fmt: skip
+            info.update(
+                episode_reward(
+                    self._d,
+                    self._task,
+                    self._calls,
+                    self._agent_messages,
+                    db_hashes=self._db_hashes,
+                    environment=self._private_environment,
+                    abnormal=abnormal,
+                    shaping=self._shaping,
+                )
+            )
         except MEMORY_ERRORS:
             raise  # a reward of 0 would be a wrong answer
         except Exception as e:  # noqa: BLE001 - never crash the trainer

@@ -37,9 +37,11 @@ def tool_schemas(environment) -> list[dict]:
 def _call(name: str, arguments: dict) -> dict:
     # arguments as a JSON string: rows of different tools keep one Arrow schema (chat templates print strings
     # as they are, mappings as JSON)
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
-    ]}  # fmt: skip
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}],
+    }
 
 
 def gold_conversation(row: dict, environment, closing: str = CLOSING) -> dict:

@@ -38,8 +38,12 @@ def _scenario_text(instructions) -> str:
     if not isinstance(obj, dict) and hasattr(obj, "instructions"):
         return str(obj)  # τ²'s own rendering of the scenario
     f = scenario_fields(instructions)
-    names = {"reason_for_call": "Reason for call", "known_info": "Known info", "unknown_info": "Unknown info",
-             "task_instructions": "Task instructions"}  # fmt: skip
+    names = {
+        "reason_for_call": "Reason for call",
+        "known_info": "Known info",
+        "unknown_info": "Unknown info",
+        "task_instructions": "Task instructions",
+    }
     return "\n".join(f"{names[k]}:\n\t{v}" for k, v in f.items() if v)
 
 
@@ -59,8 +63,15 @@ class LLMUser:
         timeout: Seconds per request.
     """
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, temperature: float = 0.0,
-                 max_tokens: int = 512, timeout: float = 120.0):  # fmt: skip
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        temperature: float = 0.0,
+        max_tokens: int = 512,
+        timeout: float = 120.0,
+    ):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.api_key = api_key
@@ -84,8 +95,12 @@ class LLMUser:
         return reply
 
     def _complete(self) -> str:
-        body = {"model": self.model, "messages": self.messages, "temperature": self.temperature,
-                "max_tokens": self.max_tokens}  # fmt: skip
+        body = {
+            "model": self.model,
+            "messages": self.messages,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"

@@ -12,18 +12,72 @@ import re
 
 from .users import STOP, TRANSFER, scenario_fields
 
-_SUBJECT_BEFORE = {"", "and", "but", "or", "if", "when", "because", "that", "so", "then", "since", "while",
-                   "as", "though", "although", "unless", "until", "once", "where", "whether"}  # fmt: skip
+_SUBJECT_BEFORE = {
+    "",
+    "and",
+    "but",
+    "or",
+    "if",
+    "when",
+    "because",
+    "that",
+    "so",
+    "then",
+    "since",
+    "while",
+    "as",
+    "though",
+    "although",
+    "unless",
+    "until",
+    "once",
+    "where",
+    "whether",
+}
 # Words that follow an object "you" ("asks you to", "gave you a", "thank you for"); any other next word is
 # taken for a verb, so "you" is the subject ("realized you might" -> "realized I might").
-_OBJECT_AFTER = {"to", "a", "an", "the", "for", "with", "about", "if", "and", "or", "that", "this", "back",
-                 "some", "any", "up", "in", "on", "at", "from", "by", "as", "so", "but", "when",
-                 "again"}  # fmt: skip
+_OBJECT_AFTER = {
+    "to",
+    "a",
+    "an",
+    "the",
+    "for",
+    "with",
+    "about",
+    "if",
+    "and",
+    "or",
+    "that",
+    "this",
+    "back",
+    "some",
+    "any",
+    "up",
+    "in",
+    "on",
+    "at",
+    "from",
+    "by",
+    "as",
+    "so",
+    "but",
+    "when",
+    "again",
+}
 _PRONOUN_RE = re.compile(
     r"\b(you are|you were|you're|you've|you'd|you'll|yourself|yours|your|you)\b", re.IGNORECASE
 )
-_FLIP = {"you are": "I am", "you were": "I was", "you're": "I'm", "you've": "I've", "you'd": "I'd",
-         "you'll": "I'll", "yourself": "myself", "yours": "mine", "your": "my"}  # fmt: skip
+_FLIP = {
+    "you are": "I am",
+    "you were": "I was",
+    "you're": "I'm",
+    "you've": "I've",
+    "you'd": "I'd",
+    "you'll": "I'll",
+    "yourself": "myself",
+    "yours": "mine",
+    "your": "my",
+}
 
 
 def to_first_person(text: str) -> str:
@@ -75,8 +129,13 @@ _STREET = (
     r"(?:Drive|Street|Avenue|Road|Lane|Boulevard|Way|Court|Place|Circle|Trail|Parkway|St|Ave|Rd|Ln|Blvd|Dr)"
 )
 _ADDRESS_RE = re.compile(r"\b\d+\s+[A-Z][A-Za-z]*(?:\s+[A-Z][A-Za-z]*)*\s+" + _STREET + r"\b[^.\n]*")
-_PAYMENTS = (("paypal", "PayPal"), ("gift card", "gift card"), ("credit card", "credit card"),
-             ("debit card", "debit card"), ("original payment", "original payment method"))  # fmt: skip
+_PAYMENTS = (
+    ("paypal", "PayPal"),
+    ("gift card", "gift card"),
+    ("credit card", "credit card"),
+    ("debit card", "debit card"),
+    ("original payment", "original payment method"),
+)
 
 # What the agent may ask for: fact -> (question pattern, label used in "I don't know my <label>").
 # "strong" facts are identity facts, always answered when asked; the others are not answered when the agent

@@ -22,31 +22,76 @@ import random
 from .domain import get_domain
 
 WORDS = (
-    "Budget", "Review", "Dentist", "Groceries", "Report", "Call", "Project", "Launch", "Meeting", "Gym",
-    "Taxes", "Laundry", "Planning", "Invoice", "Garden", "Car", "Service", "Birthday", "Party", "Book",
-    "Club", "Team", "Sync", "Flight", "Hotel", "Doctor", "Visit", "Slides", "Draft", "Paint", "Fence",
-    "Piano", "Lesson", "Kitchen", "Window", "Coffee", "Dinner", "Email", "Backup", "Garage",
-)  # fmt: skip
+    "Budget",
+    "Review",
+    "Dentist",
+    "Groceries",
+    "Report",
+    "Call",
+    "Project",
+    "Launch",
+    "Meeting",
+    "Gym",
+    "Taxes",
+    "Laundry",
+    "Planning",
+    "Invoice",
+    "Garden",
+    "Car",
+    "Service",
+    "Birthday",
+    "Party",
+    "Book",
+    "Club",
+    "Team",
+    "Sync",
+    "Flight",
+    "Hotel",
+    "Doctor",
+    "Visit",
+    "Slides",
+    "Draft",
+    "Paint",
+    "Fence",
+    "Piano",
+    "Lesson",
+    "Kitchen",
+    "Window",
+    "Coffee",
+    "Dinner",
+    "Email",
+    "Backup",
+    "Garage",
+)
 PREFIX = "create_task:"  # task ids are PREFIX + title: the same title is the same task in every run
 
 
 def _task(title: str):
     from tau2.data_model.tasks import Task
 
-    return Task.model_validate({
-        "id": PREFIX + title,
-        "user_scenario": {"instructions": {
-            "domain": "mock",
-            "reason_for_call": f"You want to create a new task called '{title}' for user_1.",
-            "known_info": "You are user_1.",
-            "task_instructions": "Ask for the task, then end the conversation.",
-        }},
-        "evaluation_criteria": {
-            "actions": [{"action_id": "create", "name": "create_task",
-                         "arguments": {"user_id": "user_1", "title": title}}],
-            "reward_basis": ["DB"],
-        },
-    })  # fmt: skip
+    return Task.model_validate(
+        {
+            "id": PREFIX + title,
+            "user_scenario": {
+                "instructions": {
+                    "domain": "mock",
+                    "reason_for_call": f"You want to create a new task called '{title}' for user_1.",
+                    "known_info": "You are user_1.",
+                    "task_instructions": "Ask for the task, then end the conversation.",
+                }
+            },
+            "evaluation_criteria": {
+                "actions": [
+                    {
+                        "action_id": "create",
+                        "name": "create_task",
+                        "arguments": {"user_id": "user_1", "title": title},
+                    }
+                ],
+                "reward_basis": ["DB"],
+            },
+        }
+    )
 
 
 def add_mock_create_tasks(num_train: int, num_test: int, seed: int = 0) -> tuple[list[str], list[str]]:
