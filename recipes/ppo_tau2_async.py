@@ -53,10 +53,9 @@ from trl import ModelConfig, TrlParser, get_peft_config
 _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "trl_dta").is_dir() and str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # ppo_tau2 and recipe_utils, however this is run
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # recipe_utils, however this is run
 
-from ppo_tau2 import ScriptArguments as SyncScriptArguments  # noqa: E402
-from ppo_tau2 import setup_logging  # noqa: E402
+from recipe_utils.arguments import Tau2Arguments, setup_logging  # noqa: E402
 from recipe_utils.offline_model import OFFLINE_SMOLLM2  # noqa: E402
 
 from trl_dta import AsyncTreePPOConfig  # noqa: E402
@@ -97,7 +96,7 @@ ModelArguments = dataclasses.make_dataclass(
 
 
 @dataclass
-class ScriptArguments(SyncScriptArguments):
+class ScriptArguments(Tau2Arguments):
     """recipes/ppo_tau2.py's arguments; those that need the model before training are refused."""
 
     # (their help says so: inherited, it would describe what recipes/ppo_tau2.py does with them)

@@ -48,14 +48,13 @@ _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "trl_dta").is_dir() and str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from recipe_utils.offline_model import OFFLINE_SMOLLM2  # noqa: E402 (this folder is sys.path[0])
+from recipe_utils.arguments import DOMAINS  # noqa: E402 (this folder is sys.path[0])
+from recipe_utils.offline_model import OFFLINE_SMOLLM2  # noqa: E402
 
 from trl_dta import TreeSFTConfig  # noqa: E402 (cheap: the trainer module loads on first use)
 from trl_dta.envs.tau2.domain import UNSUPPORTED_DOMAINS  # noqa: E402 (cheap: does not import tau2)
 
 logger = logging.getLogger("sft_tau2")
-
-DOMAINS = ("retail", "airline", "mock")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from recipe_utils import offline_model
+from recipe_utils.arguments import DOMAINS
 from recipe_utils.plotting import plot_rewards
 from recipe_utils.rewards import reward_functions, tool_call_format
 
@@ -84,7 +85,7 @@ def test_every_config_parses(path, tmp_path):
     if not torch.cuda.is_available():
         argv += ["--bf16", "false"]
     script, _, model = _parse(*argv)
-    assert script.domain in recipe.DOMAINS and model.model_name_or_path
+    assert script.domain in DOMAINS and model.model_name_or_path
 
 
 def test_cli_without_config_defaults(tmp_path):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from recipe_utils.arguments import DOMAINS
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "sft_tau2.py"
@@ -41,7 +42,7 @@ def test_every_sft_config_parses(path, tmp_path):
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    assert script.domain in recipe.DOMAINS and model.model_name_or_path
+    assert script.domain in DOMAINS and model.model_name_or_path
     assert type(train).__name__ == "TreeSFTConfig" and train.assistant_only_loss and train.max_length is None
 
 

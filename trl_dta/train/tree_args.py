@@ -116,6 +116,18 @@ class TreeArguments:
             when the trainer is built.
         tree_dense_margin (`float`, defaults to 0.1):
             The dense path is taken where its predicted time x (1 + margin) is below the walk's.
+
+    Defaults of TRL's own fields that differ (in every tree config):
+
+    * ``disable_dropout=True``: a shared prefix shares one dropout mask, so the walk equals the dense loss
+      only without randomness. Besides TRL's zeroing of ``nn.Dropout`` modules, the probabilities models hold
+      as numbers (OPT's functional dropout and layer drop, Mixtral's router jitter, ...) are set to 0, on the
+      modules and in the model's config (a saved config has them at 0); then two forwards of the same input
+      in train mode must agree, or the trainer refuses the model, naming the settings. With `False`, a model
+      that still has randomness in train mode is refused when the trainer is built. (``SFTConfig`` and
+      ``AsyncGRPOConfig`` have no such field, or keep the model's dropout: the field is the tree configs'.)
+    * ``gradient_checkpointing=False``: the walk bounds activation memory itself; if turned on, the walk
+      switches it off for its own forwards and restores it after (TRL's generation is unchanged).
     """
 
     tree_memory_budget: float | str | None = field(
@@ -188,6 +200,15 @@ class TreeArguments:
         metadata={
             "help": "tree_dense_fallback: dense is taken where its predicted time x (1 + margin) wins."
         },
+    )
+
+    # TRL's own fields, with the defaults the walk needs (the same in every tree config)
+    disable_dropout: bool = field(
+        default=True, metadata={"help": "Disable dropout (required for exactness)."}
+    )
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={"help": "Not needed by the tree walk; if on, it is suspended during the walk."},
     )
 
     def __post_init__(self):

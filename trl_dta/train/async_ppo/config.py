@@ -35,10 +35,6 @@ class AsyncTreePPOConfig(TreeArguments, ValueArguments, AsyncGRPOConfig):
             loaded model to this implementation, one of those the walk supports (``"eager"``, ``"sdpa"``,
             ``"flex_attention"``, ``"flash_attention_2"``, ``"flash_attention_3"``). Give it here, not as
             ``attn_implementation`` in ``model_init_kwargs`` (TRL passes its own).
-        disable_dropout (`bool`, defaults to `True`):
-            Zero every dropout probability of the policy (TRL's async trainer keeps the model's): a shared
-            prefix shares one dropout mask, so the walk equals the dense loss only without randomness. With
-            `False`, a model that still has randomness in train mode is refused when the trainer is built.
         check_staleness_at_training (`bool`, defaults to `False`):
             TRL checks `max_staleness` when a sample leaves the queue; accelerate prefetches the next
             micro-batch, so a sample can train one policy version later than that (`max_staleness + 1`).
@@ -71,22 +67,13 @@ class AsyncTreePPOConfig(TreeArguments, ValueArguments, AsyncGRPOConfig):
     * ``router_aux_loss_coef``: MoE load balancing is not supported (TRL computes it on its packed rows); a
       Mixture-of-Experts model needs ``router_aux_loss_coef=0.0``.
 
-    Defaults that differ from ``AsyncGRPOConfig``:
-
-    * ``gradient_checkpointing=False``: the walk bounds activation memory itself; if turned on, the walk
-      switches it off for its own forwards and restores it after.
+    ``disable_dropout`` (TRL's async trainer keeps the model's dropout) and ``gradient_checkpointing``
+    default to what the walk needs (True, False): :class:`~trl_dta.train.tree_args.TreeArguments` says why.
     """
 
     tree_attn_implementation: str = field(
         default="sdpa",
         metadata={"help": f"Attention of the policy for the walk, one of {SUPPORTED_ATTENTION}."},
-    )
-    disable_dropout: bool = field(
-        default=True, metadata={"help": "Disable dropout (required for exactness)."}
-    )
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata={"help": "Not needed by the tree walk; if on, it is suspended during the walk."},
     )
     check_staleness_at_training: bool = field(
         default=False,

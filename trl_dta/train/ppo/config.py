@@ -39,15 +39,8 @@ class TreePPOConfig(TreeArguments, ValueArguments, GRPOConfig):
             models that do not fit otherwise, at the cost of a gather per layer and call (README, "Multi-GPU
             and sharded training").
 
-    Defaults that differ from ``GRPOConfig``:
-
-    * ``disable_dropout=True``: a shared prefix shares one dropout mask, so the walk equals the dense loss
-      only without randomness. Besides TRL's zeroing of ``nn.Dropout`` modules, the probabilities models
-      hold as numbers (OPT's functional dropout and layer drop, Mixtral's router jitter, ...) are set to 0,
-      on the modules and in the model's config (a saved config has them at 0); then two forwards of the
-      same input in train mode must agree, or the trainer refuses the model, naming the settings.
-    * ``gradient_checkpointing=False``: the walk bounds activation memory itself; if turned on, the walk
-      switches it off for its own forwards and restores it after, and TRL's generation is unchanged.
+    ``disable_dropout`` and ``gradient_checkpointing`` default to what the walk needs (True, False):
+    :class:`~trl_dta.train.tree_args.TreeArguments` says why.
     """
 
     tree_lexicographic_steps: bool = field(
@@ -64,13 +57,6 @@ class TreePPOConfig(TreeArguments, ValueArguments, GRPOConfig):
             "help": "FSDP2: gather each decoder layer for its own calls (less memory, more gathers) instead "
             "of the whole model once per walk."
         },
-    )
-    disable_dropout: bool = field(
-        default=True, metadata={"help": "Disable dropout (required for exactness)."}
-    )
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata={"help": "Not needed by the tree walk; if on, it is suspended during the walk."},
     )
 
     def __post_init__(self):

@@ -25,18 +25,10 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
             the step's trie without a graph (at a temperature of 1e-6, where a label's log-prob is near 0 if
             it is the top-1 token and hugely negative otherwise): about a quarter of the step's time. `False`
             skips it and logs no `mean_token_accuracy`.
-        disable_dropout (`bool`, defaults to `True`):
-            Disable dropout in the model (the name and meaning of ``GRPOConfig``'s option; ``SFTConfig`` has
-            none). A shared prefix shares one dropout mask, so the walk equals the dense loss only without
-            randomness: as in :class:`~trl_dta.TreePPOConfig`, the probabilities models hold as numbers are
-            set to 0 too, then two forwards of the same input in train mode must agree, or the trainer
-            refuses the model at construction, naming the settings. With `False` a model with dropout is
-            refused when the trainer is built.
 
-    Defaults that differ from ``SFTConfig``:
-
-    * ``gradient_checkpointing=False``: the walk bounds activation memory itself (``tree_block_size``); if
-      turned on, the walk switches it off for its own forwards and restores it after.
+    ``disable_dropout`` (the name and meaning of ``GRPOConfig``'s option; ``SFTConfig`` has none) and
+    ``gradient_checkpointing`` default to what the walk needs (True, False):
+    :class:`~trl_dta.train.tree_args.TreeArguments` says why.
     """
 
     tree_token_accuracy: bool = field(
@@ -45,13 +37,6 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
             "help": "Log mean_token_accuracy: one more forward of the trie, without a graph "
             "(--no_tree_token_accuracy skips it)."
         },
-    )
-    disable_dropout: bool = field(
-        default=True, metadata={"help": "Disable dropout (required for exactness)."}
-    )
-    gradient_checkpointing: bool = field(
-        default=False,
-        metadata={"help": "Not needed by the tree walk; if on, it is suspended during the walk."},
     )
 
     def __post_init__(self):
