@@ -10,6 +10,7 @@ tokens, so a 2% noise moves the split between the two more than it moves either 
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import defaultdict
 from types import SimpleNamespace
@@ -524,15 +525,20 @@ def test_the_dense_fallback_is_refused_where_every_step_must_walk(tmp_path):
 
 
 def test_the_step_tree_check_gradients_checks_is_walked(tmp_path):
-    """A step the cost model would send to the dense path walks while ``tree_check_gradients`` has yet to
-    check a step (the check compares the walk with the dense path), "always" too; after it, the fallback
-    decides."""
+    """The step ``tree_check_gradients`` checks (the first scheduled one: ``StepWalker.take_check``) walks,
+    "always" too, without asking the fallback; later steps are decided by it."""
+    from trl_dta.train.step_schedule import StepSchedule
+
     model = _rectangle_model()
     for mode in ("auto", "always"):
         walker = _walker(mode, model, tmp_path, tree_check_gradients=True)
-        assert not walker.prefer_dense(model, _unshared())
-        walker.check_gradients = False  # (as after the first gradient step, which checked)
-        assert walker.prefer_dense(model, _unshared(), timed=False)
+        first = StepSchedule([{}], check=walker.take_check())
+        assert first.check and not first.takes_dense_path(lambda: 1 / 0)  # (no decision asked)
+        second = StepSchedule([{}], check=walker.take_check())
+        assert not second.check
+        decide = functools.partial(walker.prefer_dense, model, _unshared(), timed=False)
+        assert second.takes_dense_path(decide)
+
 
 
 def test_a_step_whose_dense_path_would_not_fit_walks(tmp_path, monkeypatch):

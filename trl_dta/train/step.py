@@ -87,13 +87,14 @@ class StepWalker:
         self.multi_process = accelerator.num_processes > 1
         self.check_gradients = _option(args, "tree_check_gradients")
         self.check_tolerance = _option(args, "tree_check_tolerance")
+        self._check_pending = self.check_gradients  # (take_check: the first scheduled step is checked)
         if self.multi_process and self.check_gradients:
             raise ValueError("tree_check_gradients runs on a single process only.")
         if self.flow.deepspeed and self.check_gradients:  # (DeepSpeed's hooks would reduce the dense pass)
             raise ValueError("tree_check_gradients is not supported under DeepSpeed; check without it.")
         names = ("tree_memory_budget", "tree_block_size", "tree_batch_tokens", "tree_subtree_tokens")
-        self.budget_options = tuple(_option(args, name) for name in names)
-        Budgets(*self.budget_options, prefix="tree_")  # (validated now: a plain TRL config is not)
+        # validated once, here (a plain TRL config is not); each executor gets a fresh copy
+        self.budgets = Budgets(*(_option(args, name) for name in names), prefix="tree_")
         self.reserved_bytes = 0.0
         self.options = dict(
             lm_head_fp32=getattr(args, "cast_lm_head_to_fp32", False),
@@ -121,7 +122,7 @@ class StepWalker:
             return seen[1]
         module = self.accelerator.unwrap_model(model)
         if id(module) not in self.executors:
-            budgets = Budgets(*self.budget_options, reserved_bytes=self.reserved_bytes, prefix="tree_")
+            budgets = self.budgets.fresh(self.reserved_bytes)
             if any(m is module for m in self.trained):
                 budgets.train_with(*(m for m in self.trained if m is not module))
             costs = None if self.cost_fit == "off" else CostModel(self.cost_fit, self.cost_cache)
@@ -217,18 +218,25 @@ class StepWalker:
         dense_loss: Callable | None = None,
         batches: Sequence[dict] | None = None,
         prefix: str = "tree/",
+        checked: bool = False,
     ) -> StepWalk:
         """The walk of one step's ``sequences`` on ``model``, as a context manager (:class:`StepWalk`); on a
         normal exit the step's ``tree/*`` metrics are appended to ``metrics`` (a ``defaultdict(list)``, e.g.
         the trainer's ``self._metrics["train"]``; None: not logged), named with ``prefix`` (a second model
         walked on the same trie, a value model, logs under its own: ``"value_tree/"``).
-        ``dense_loss(model, inputs)`` and the step's micro-batches ``batches``: what
-        ``tree_check_gradients`` compares the step against, at the first gradient step."""
+        ``checked``: the step ``tree_check_gradients`` checks (its schedule's ``check``): its gradients are
+        compared with ``dense_loss(model, inputs)`` over the step's micro-batches ``batches``."""
         check = None
-        if training and self.check_gradients and dense_loss is not None:
+        if training and checked and dense_loss is not None:
             check = lambda: GradientCheck(dense_loss, model, batches, self.check_tolerance)
-            self.check_gradients = False  # (once)
         return StepWalk(self, model, sequences, training, metrics, check, prefix)
+
+    def take_check(self) -> bool:
+        """Whether the optimizer step about to be scheduled is the one ``tree_check_gradients`` checks: True
+        once, for the first step whose schedule asks (:class:`~trl_dta.train.step_schedule.StepSchedule`'s
+        ``check``: that step walks, its walk compared with TRL's dense path)."""
+        check, self._check_pending = self._check_pending, False
+        return check
 
     def prefer_dense(
         self,
@@ -243,9 +251,9 @@ class StepWalker:
     ) -> bool:
         """Whether the step of ``sequences`` should take TRL's dense path (``tree_dense_fallback``:
         :func:`trl_dta.train.dense_fallback.decide` documents the arguments and the metrics); the prediction
-        stays in :attr:`prediction`. A step that ``tree_check_gradients`` still has to check walks.
+        stays in :attr:`prediction`. (The step ``tree_check_gradients`` checks walks: its schedule says so.)
         ``timed``: a training step, timed by :attr:`step_clock` (False: a no-gradient pass)."""
-        mode, executor = "never" if self.check_gradients else self.dense_fallback, self.executor(model)
+        mode, executor = self.dense_fallback, self.executor(model)
         if timed and mode != "never" and not self.flow.dense_backward_ok(executor.lm):
             refuse_always(mode, UNUSED_EXPERTS)
             mode = "never"

@@ -47,15 +47,24 @@ class StepSchedule:
             ``batches`` are prepared already.
         key: what ``compute_loss`` gets beside each of the step's micro-batches and must be the step's own
             (SFT's ``num_items_in_batch``), compared by identity; None: nothing.
+        check: this is the step ``tree_check_gradients`` checks (:meth:`StepWalker.take_check
+            <trl_dta.train.step.StepWalker.take_check>`): it walks, and its walk is compared with TRL's dense
+            path.
     """
 
     def __init__(
-        self, batches: Sequence, same: Callable | None = None, prepare: Callable | None = None, key=None
+        self,
+        batches: Sequence,
+        same: Callable | None = None,
+        prepare: Callable | None = None,
+        key=None,
+        check: bool = False,
     ):
         self.batches = list(batches)
         self.served = 0  # micro-batches served so far (by the dense path or the walk)
         self.dense: bool | None = None  # the step takes the dense path (None: not decided yet)
         self.key = key
+        self.check = check
         self._same = same or (lambda batch, inputs: batch is inputs)
         self._prepare = prepare
         self._ready: list | None = None  # the micro-batches prepared (each at most once)
@@ -91,10 +100,10 @@ class StepSchedule:
 
     def takes_dense_path(self, decide: Callable[[], bool]) -> bool:
         """For the step's next micro-batch: whether it takes the dense path. ``decide()`` decides for the
-        whole step, once, at its first micro-batch (a schedule first served by the walk walks); a micro-batch
-        that takes the dense path counts as served."""
+        whole step, once, at its first micro-batch (a schedule first served by the walk walks, and so does the
+        checked step); a micro-batch that takes the dense path counts as served."""
         if self.dense is None:
-            self.dense = self.served == 0 and decide()
+            self.dense = self.served == 0 and not self.check and decide()
         if self.dense:
             self.served += 1
         return self.dense
@@ -130,3 +139,10 @@ def same_micro_batch(batch: dict, inputs: dict) -> bool:
         if a is None or b is None or a.shape != b.shape or not torch.equal(a.to(b.device), b):
             return False
     return True
+
+
+def checked(schedule: StepSchedule | None, training: bool) -> bool:
+    """Whether a trainer's walk is in the step ``tree_check_gradients`` checks: a training walk while the
+    current optimizer step's ``schedule`` has ``check`` (its scheduled walk, or a micro-batch of it walked
+    alone)."""
+    return training and schedule is not None and schedule.check

@@ -24,6 +24,7 @@ history and reports them (``in_use``, ``metrics()``).
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections import deque
@@ -117,8 +118,20 @@ class Budgets:
         self._prefix = prefix
         self.memory_budget = parse_memory_budget(memory_budget, f"{prefix}memory_budget")  # (canonical)
         self._given = self._check_given(block_size, batch_tokens, subtree_tokens)
+        self._start(reserved_bytes)
+
+    def fresh(self, reserved_bytes: float = 0) -> Budgets:
+        """New budgets with these options (validated once, when this object was made), ``reserved_bytes``
+        reserved, and none of this object's state (budgets in use, halvings, measured memory): one for each
+        executor of a trainer."""
+        out = copy.copy(self)
+        out._start(reserved_bytes)
+        return out
+
+    def _start(self, reserved_bytes: float) -> None:
+        """The state of budgets not used yet."""
         self.trained_with: tuple[torch.nn.Module, ...] = ()  # other models of the same steps: train_with()
-        self.reserved_bytes = _reserved(f"{prefix}reserved_bytes", reserved_bytes)
+        self.reserved_bytes = _reserved(f"{self._prefix}reserved_bytes", reserved_bytes)
         self.in_use: TokenBudgets | None = None  # those of the last walk
         self.memory: float | None = None  # the memory budget in bytes, once known ("auto": at the first walk)
         self.halvings = 0  # halvings in effect after running out of memory

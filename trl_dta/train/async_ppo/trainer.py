@@ -55,7 +55,7 @@ from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments, rollout_length
 from ..step import StepSequence, StepWalker
 from ..step_clock import StepClockCallback
-from ..step_schedule import StepSchedule, same_micro_batch
+from ..step_schedule import StepSchedule, checked, same_micro_batch
 from ..tree_args import PAPER
 from .config import AsyncTreePPOConfig, check_async_arguments
 from .data import SampleBatcher, SampleCollator, VersionedQueue
@@ -179,7 +179,10 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelCheckpoints, AsyncGRPOTra
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._schedule = StepSchedule(batches, same=same_micro_batch, prepare=self._prepare_inputs)
+        check = self._walker.take_check()  # (tree_check_gradients: the first step)
+        self._schedule = StepSchedule(
+            batches, same=same_micro_batch, prepare=self._prepare_inputs, check=check
+        )
         return batches, num_items
 
     # ------------------------------------------------------------------ the loss
@@ -282,7 +285,13 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelCheckpoints, AsyncGRPOTra
             samples, normalisers, self.epsilon_low, self.epsilon_high, accumulation, self._decoupled
         )
         walk = self._walker.step(
-            model, sequences, training=training, metrics=metrics, dense_loss=self.dense_loss, batches=batches
+            model,
+            sequences,
+            training=training,
+            metrics=metrics,
+            dense_loss=self.dense_loss,
+            batches=batches,
+            checked=checked(self._schedule, training),
         )
         with walk as step:
             if training:

@@ -4,28 +4,22 @@ Everything else is TRL's own: generation (tools and environments included), rewa
 shuffle of each generation batch into micro-batches, gradient accumulation, logging, checkpointing,
 saving. What changes:
 
-* ``compute_loss``: at the first micro-batch of each optimizer step, the rows of *all* the step's
-  micro-batches (TRL's buffered, shuffled micro-batches) go into one prefix trie, walked once through the
-  step seam (:class:`~trl_dta.train.step.StepWalker`; :mod:`trl_dta.train.ppo.sequences`); each row's loss is
-  :class:`~trl_dta.train.ppo.losses.RowLoss` with the constants of the micro-batch TRL put it in, so the
-  accumulated gradient is exactly TRL's, for every loss type. The gradients land in ``.grad`` during the
-  walk. Each micro-batch's ``compute_loss`` then runs TRL's ``_compute_loss`` on that micro-batch's
-  (detached) walk values, passed in place of the model: it logs TRL's metrics, advances TRL's
-  adaptive-entropy state, and its loss must equal the sum of the micro-batch's row losses (checked). The
-  returned loss is that value on a fresh tensor that requires grad, so the Trainer's ``backward`` adds
-  nothing.
-* ``_get_per_token_logps_and_entropies`` (TRL's no-grad passes: old-policy and reference log-probs, over
-  the whole generation batch) runs :meth:`TreeExecutor.logprobs` on one trie of the batch.
-* The LM head runs only on completion positions (``score_from``), as TRL's ``logits_to_keep`` does.
-* :meth:`TreePPOTrainer.dense_loss` is stock TRL's dense loss of a micro-batch, for checking the walk
-  (``tree_check_gradients``).
-* Multi-process (the step seam's, :mod:`trl_dta.train.multi_process`): under DDP the walk runs on the
-  unwrapped module and the gradients are averaged once per step; under FSDP2 the walk gathers the
-  parameters once and FSDP2 reduce-scatters once per walk (:mod:`trl_dta.walk.sharding`); under DeepSpeed
-  ZeRO-2/3 the walk gathers once (ZeRO-3) and DeepSpeed reduces once per optimizer step
-  (:mod:`trl_dta.walk.deepspeed`). FSDP1 is refused. With several processes the step's rollouts are first
-  re-split across ranks (:mod:`trl_dta.train.ppo.repartition`), except for losses with per-micro-batch
-  statistics (bnpo, ``top_entropy_quantile``, the entropy bonus).
+* ``compute_loss``: at the first micro-batch of each optimizer step (its schedule:
+  :mod:`trl_dta.train.step_schedule`), the rows of *all* the step's micro-batches (TRL's buffered, shuffled
+  micro-batches) go into one prefix trie, walked once through the step seam (:mod:`trl_dta.train.step`,
+  :mod:`trl_dta.train.ppo.sequences`); each row's loss is :class:`~trl_dta.train.ppo.losses.RowLoss` with
+  the constants of the micro-batch TRL put it in, so the accumulated gradient is exactly TRL's, for every
+  loss type, in ``.grad`` during the walk. Each micro-batch's ``compute_loss`` then runs TRL's
+  ``_compute_loss`` on its (detached) walk values in place of the model: TRL's metrics and adaptive-entropy
+  state, and a loss that must equal the sum of its row losses (checked), returned on a fresh tensor that
+  requires grad (the Trainer's ``backward`` adds nothing).
+* ``_get_per_token_logps_and_entropies`` (TRL's no-grad passes: old-policy and reference log-probs)
+  walks one trie of the generation batch, its LM head only on completion positions (TRL's
+  ``logits_to_keep``).
+* :meth:`TreePPOTrainer.dense_loss`: stock TRL's dense loss of a micro-batch (``tree_check_gradients``).
+* Several processes (:mod:`trl_dta.train.multi_process`; DDP, FSDP2, DeepSpeed ZeRO-2/3; FSDP1 refused):
+  the step's rollouts are first re-split across ranks (:mod:`trl_dta.train.ppo.repartition`), except for
+  losses with per-micro-batch statistics (bnpo, ``top_entropy_quantile``, the entropy bonus).
 """
 
 from __future__ import annotations
@@ -45,7 +39,7 @@ from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments, rollout_length
 from ..step import StepWalker
 from ..step_clock import StepClockCallback
-from ..step_schedule import StepSchedule
+from ..step_schedule import StepSchedule, checked
 from ..tree_args import PAPER
 from .config import TreePPOConfig
 from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
@@ -257,7 +251,8 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelCheckpoints, GRPOTr
             return None
         steps, schedule = self.current_gradient_accumulation_steps, self._schedule
         if schedule is None:
-            schedule = self._schedule = StepSchedule(buffered[index : index + steps])
+            check = self._walker.take_check()  # (tree_check_gradients: the first step)
+            schedule = self._schedule = StepSchedule(buffered[index : index + steps], check=check)
         elif schedule.done and len(schedule.batches) < steps:  # (the step's rest, from the next generation)
             schedule.extend(buffered[index : index + steps - len(schedule.batches)])
         return schedule if schedule.expects(inputs) else None
@@ -326,7 +321,13 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelCheckpoints, GRPOTr
         seqs, owners = step_sequences(batches, keep_prompt_only=self.aux_loss_enabled)
         metrics = self._metrics["train" if training else "eval"]
         with self._walker.step(
-            model, seqs, training=training, metrics=metrics, dense_loss=self.dense_loss, batches=batches
+            model,
+            seqs,
+            training=training,
+            metrics=metrics,
+            dense_loss=self.dense_loss,
+            batches=batches,
+            checked=checked(self._schedule, training),
         ) as step:
             quantile = None
             if self.top_entropy_quantile < 1.0:  # couples a micro-batch's rows: their entropies come first

@@ -45,7 +45,7 @@ from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments, sample_length
 from ..step import StepSequence, StepWalk, StepWalker
 from ..step_clock import StepClockCallback
-from ..step_schedule import StepSchedule, same_micro_batch
+from ..step_schedule import StepSchedule, checked, same_micro_batch
 from ..tree_args import PAPER
 from .config import TreeSFTConfig
 from .samples import Sample, batch_samples, num_input_tokens, trained_tokens
@@ -140,8 +140,9 @@ class TreeSFTTrainer(RetriesDenseSteps, SFTTrainer):
     # ------------------------------------------------------------------ the step's micro-batches
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        check = self._walker.take_check()  # (tree_check_gradients: the first step)
         self._schedule = StepSchedule(
-            batches, same=same_micro_batch, prepare=self._prepare_inputs, key=num_items
+            batches, same=same_micro_batch, prepare=self._prepare_inputs, key=num_items, check=check
         )
         return batches, num_items
 
@@ -216,7 +217,12 @@ class TreeSFTTrainer(RetriesDenseSteps, SFTTrainer):
         sequences = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
         dense_loss = functools.partial(self.dense_loss, num_items_in_batch=num_items)
         with self._walker.step(
-            model, sequences, metrics=self._metrics["train"], dense_loss=dense_loss, batches=batches
+            model,
+            sequences,
+            metrics=self._metrics["train"],
+            dense_loss=dense_loss,
+            batches=batches,
+            checked=checked(self._schedule, True),
         ) as step:
             if self._tree_accuracy:
                 self._count_correct(step, samples, out)
