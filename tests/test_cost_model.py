@@ -540,7 +540,6 @@ def test_the_step_tree_check_gradients_checks_is_walked(tmp_path):
         assert second.takes_dense_path(decide)
 
 
-
 def test_a_step_whose_dense_path_would_not_fit_walks(tmp_path, monkeypatch):
     """On a device that reports its free memory (CUDA), a step whose dense path would not fit it (TRL's
     largest micro-batch, with its checkpointing setting: ``dense_bytes``) walks, whatever the prediction

@@ -1,4 +1,5 @@
-"""Attention per segment (trl_dta/walk/segment_attention.py): each segment against only the keys it sees.
+"""Attention per segment (trl_dta/walk/segment_attention.py, segment_layout.py): each segment against only
+the keys it sees.
 
 Every kernel of it against the row's masked sdpa call (fp64, random rows, GQA or not): the sdpa path per
 segment and per row, and the flash path with a stand-in of torch's varlen kernel (trl_dta/testing/varlen.py:

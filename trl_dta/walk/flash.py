@@ -27,6 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .errors import MEMORY_ERRORS
+from .segment_layout import SegmentLayout, sdpa_per_segment
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,6 @@ def _check(device, dtype, heads: int, kv_heads: int, head_dim: int, scale: float
     """Run the flash kernel on a small call of two segments (one on a past) in the path buffer's strides and
     compare its outputs and gradients with the sdpa path's in float32; warn and return False where it fails or
     differs."""
-    from .segment_attention import SegmentLayout, _sdpa_per_segment
-
     if _flash_kwargs(heads != kv_heads) is None:
         return False
     try:
@@ -109,7 +108,7 @@ def _check(device, dtype, heads: int, kv_heads: int, head_dim: int, scale: float
             buffer = torch.randn(2, 1, kv_heads, tokens + 3, head_dim, device=device, generator=gen)
             grad = torch.randn(layout.tokens, heads, head_dim, device=device, generator=gen)
             outs = []
-            for run, cast in ((_flash, dtype), (_sdpa_per_segment, torch.float32)):
+            for run, cast in ((_flash, dtype), (sdpa_per_segment, torch.float32)):
                 qq, kv = (t.detach().to(cast).requires_grad_() for t in (q, buffer))
                 k, v = (b[0, :, :tokens].transpose(0, 1) for b in kv)  # (strided as the path's K/V)
                 out = run(qq[0].transpose(0, 1), *layout.gather(k, v), layout, scale)

@@ -21,7 +21,7 @@ import torch
 
 from ..trie import PrefixTrie
 from .plan import PackedSubtree, Push, Segment, SiblingLeaves, Step
-from .segment_attention import SegmentLayout
+from .segment_layout import SegmentLayout
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class PackedRow:
 class WalkInputs:
     """The ids of every segment of ``plan`` and the index tensors of its packed rows (``packed`` steps: those
     the executor forwards as one packed row), on ``device``, from one host-to-device copy; with ``segments``,
-    every one-row call's :class:`~trl_dta.walk.segment_attention.SegmentLayout` too (:meth:`layout`)."""
+    every one-row call's :class:`~trl_dta.walk.segment_layout.SegmentLayout` too (:meth:`layout`)."""
 
     def __init__(
         self, trie: PrefixTrie, plan: list[Step], device: torch.device, packed: bool, segments: bool = False

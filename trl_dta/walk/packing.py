@@ -12,9 +12,12 @@ models the construction probe finds exact when packed (:mod:`trl_dta.walk.probe`
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .inputs import PackedRow
+if TYPE_CHECKING:  # (annotations only: inputs.py imports the layout, which uses this module)
+    from .inputs import PackedRow
 
 
 def packed_visible(row: PackedRow, start: int) -> torch.Tensor:

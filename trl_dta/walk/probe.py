@@ -43,7 +43,7 @@ from .errors import MEMORY_ERRORS, UnsupportedModelError
 from .inputs import PackedRow
 from .packing import packed_mask
 from .path_kv import PathKV
-from .segment_attention import SegmentLayout
+from .segment_layout import SegmentLayout
 
 logger = logging.getLogger(__name__)
 

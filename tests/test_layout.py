@@ -1,0 +1,109 @@
+"""The code's layout, as docs/development.md states it, read from the source (``ast``: nothing imported):
+data flows one way (``walk/`` imports nothing of ``train/`` or TRL); in ``train/`` each method is a folder
+that imports the shared seam at ``train/``'s root, the seam imports no method, and no module of ``train/``
+imports itself through a cycle; no library file is over 400 lines, and none switches the formatter off."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "trl_dta"
+METHODS = ("ppo", "async_ppo", "sft", "critic")  # train/'s folders; the rest of train/ is the seam
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """The modules ``path`` imports (relative imports resolved; ``from x import y`` counts as ``x``, and as
+    ``x.y`` where that is a module of the package)."""
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    out = set()
+    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            target = ".".join([*base, *([node.module] if node.module else [])])
+            submodules = {f"{target}.{alias.name}" for alias in node.names} & set(MODULES)
+            out.update(submodules or {target})  # (from a package import its modules: those modules)
+    return out
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (annotations only: no import at run
+    time)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+GRAPH = {name: {m for m in imports(path) if m in MODULES and m != name} for name, path in MODULES.items()}
+
+
+def method_of(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "train" and parts[2] in METHODS else None
+
+
+def test_walk_knows_nothing_of_train_or_trl():
+    for name, path in MODULES.items():
+        if name.startswith("trl_dta.walk"):
+            bad = {m for m in imports(path) if m.split(".")[0] == "trl" or m.startswith("trl_dta.train")}
+            assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_the_seam_imports_no_method_and_a_method_imports_no_other_but_the_critic():
+    for name, deps in GRAPH.items():
+        if not name.startswith("trl_dta.train.") or name == "trl_dta.train":
+            continue
+        mine = method_of(name)
+        for dep in deps:
+            theirs = method_of(dep)
+            if mine is None:  # the seam (train/'s root files)
+                assert theirs is None, f"the seam's {name} imports the method module {dep}"
+            else:
+                assert theirs in (None, mine, "critic"), f"{name} ({mine}/) imports {dep} ({theirs}/)"
+            assert mine != "critic" or theirs in (None, "critic"), (
+                f"critic/ imports a method: {name} -> {dep}"
+            )
+
+
+def test_no_import_cycles_in_train():
+    """train/'s modules, imports between them (at run time, deferred ones too)."""
+    graph = {n: {d for d in deps if d.startswith("trl_dta.train")} for n, deps in GRAPH.items()}
+    graph = {n: deps for n, deps in graph.items() if n.startswith("trl_dta.train")}
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            if dep.startswith(name + "."):  # (a package importing its own module: not a cycle)
+                continue
+            if state.get(dep) == 1 and not name.startswith(dep + "."):
+                cycle = path[path.index(dep) :] + [dep] if dep in path else [name, dep]
+                pytest.fail(f"import cycle: {' -> '.join(cycle)}")
+            if dep not in state:
+                visit(dep, [*path, dep])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT)))
+def test_a_library_file_reads_in_one_sitting(path):
+    text = path.read_text()
+    assert len(text.splitlines()) <= 400, f"{path.relative_to(ROOT)}: {len(text.splitlines())} lines"
+    assert "fmt: skip" not in text and "fmt: off" not in text
