@@ -12,7 +12,8 @@ Log-prob index ``t`` of a sample scores its token ``t + 1``, whose label is ``la
 cut after its last trained token (later tokens change no trained log-prob), scored from its first trained
 index on (``score_from``), and weighted by its trained indices (``mask``). With ``whole=True`` (MoE models:
 TRL's load-balancing loss counts every real token of the batch) samples are kept whole, those without a
-trained token too (scored nowhere).
+trained token too (scored nowhere). :func:`sample_length`: the longest sample the trainer can see, which the
+walk's checks at construction read.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
+from ..refusals import LengthBound
 
 IGNORE = -100
 # what TRL's collator delivers; padding-free's sequence boundaries are read from position_ids alone
@@ -134,3 +137,41 @@ def num_input_tokens(inputs: dict) -> int:
     if "position_ids" in inputs:
         return int(inputs["position_ids"].size(1))
     raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
+
+
+def sample_length(args, *datasets) -> LengthBound:
+    """An SFT trainer's samples: the longest in its ``datasets`` (the train and eval datasets, which TRL has
+    tokenized, and truncated to ``max_length``, when the trainer is built); ``max_length`` where one of them
+    is not held in memory (an iterable dataset); None where neither is known."""
+    length = getattr(args, "max_length", None)
+    longest = [_longest_sample(d) for d in _each_dataset(datasets)]
+    if longest and None not in longest:
+        setting = f"the longest tokenized sample, with max_length={length}"
+        return LengthBound(max(longest), setting, "max_length")
+    if length is None:
+        return LengthBound(None)
+    return LengthBound(int(length), f"max_length={length}", "max_length")
+
+
+def _each_dataset(datasets):
+    for d in datasets:
+        if isinstance(d, dict):  # (several eval datasets, by name)
+            yield from d.values()
+        elif d is not None:
+            yield d
+
+
+def _longest_sample(dataset) -> int | None:
+    """Tokens of the longest sample of a tokenized map-style ``datasets.Dataset`` (read from its Arrow table,
+    unselected rows included: an upper bound), or None for anything else. A packed dataset's samples are its
+    ``seq_lengths``."""
+    import pyarrow.compute as pc
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset) or "input_ids" not in dataset.column_names:
+        return None
+    if "seq_lengths" in dataset.column_names:
+        lengths = pc.list_flatten(dataset.data.column("seq_lengths"))
+    else:
+        lengths = pc.list_value_length(dataset.data.column("input_ids"))
+    return int(pc.max(lengths).as_py() or 0)

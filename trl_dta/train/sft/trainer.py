@@ -42,13 +42,13 @@ import torch
 from trl import SFTTrainer
 
 from ..dense_retry import RetriesDenseSteps
-from ..refusals import check_arguments, sample_length
+from ..refusals import check_arguments
 from ..step import StepSequence, StepWalk, StepWalker
 from ..step_clock import StepClockCallback
 from ..step_schedule import StepSchedule, checked, same_micro_batch
 from ..tree_args import PAPER
 from .config import TreeSFTConfig
-from .samples import Sample, batch_samples, num_input_tokens, trained_tokens
+from .samples import Sample, batch_samples, num_input_tokens, sample_length, trained_tokens
 
 # the accuracy pass: at this temperature the label's log-prob is > -(log V + 1) iff it is the top-1 token
 # (unless its logit is within ~1e-5 of the top one: a tie up to float rounding)
