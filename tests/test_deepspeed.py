@@ -209,3 +209,39 @@ def test_deepspeed_executor_two_processes(tmp_path):
             assert sum(step["flush"].values()) == 1, (case, step)  # one flush: one bucket, the tiny model
         if case.endswith("idle-rank"):
             assert run["steps"][0]["sequences"] > 0  # (rank 0 walks; the last rank walks the idle trie)
+
+
+def test_the_workers_build_deepspeed_ops_in_their_own_directory_where_a_killed_builds_lock_is_removed(
+    tmp_path, monkeypatch
+):
+    """DeepSpeed's workers build their CPU collective where a lock left by a killed build cannot hang them
+    (trl_dta/testing/torchrun.py): a directory per venv and torch version, a stale lock removed, a fresh one
+    (a build under way) kept."""
+    import os
+    import sys
+    import time
+
+    from trl_dta.testing import torchrun
+
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))
+    root = torchrun.extensions_dir()
+    assert root.parent == tmp_path / "torch_extensions" and torch.__version__ in root.name
+    stale, fresh = root / "deepspeed_shm_comm" / "lock", root / "other_op" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - torchrun.STALE_LOCK_S - 60
+    os.utime(stale, (old, old))
+    assert torchrun.extensions_dir() == root
+    assert not stale.exists() and fresh.exists()
+
+    env = {"PATH": os.environ["PATH"]}
+    shown = run_workers(
+        [sys.executable, "-c", "import os; print(os.environ['TORCH_EXTENSIONS_DIR'])"], env=env
+    )
+    assert shown.stdout.strip() == str(root)
+    kept = run_workers(
+        [sys.executable, "-c", "import os; print(os.environ['TORCH_EXTENSIONS_DIR'])"],
+        env={**env, "TORCH_EXTENSIONS_DIR": "/elsewhere"},
+    )
+    assert kept.stdout.strip() == "/elsewhere"
