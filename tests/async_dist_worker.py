@@ -4,9 +4,9 @@ tests/test_async_value_model.py (the decoupled one with a value model).
 
 Usage: torchrun --nproc_per_node 2 tests/async_dist_worker.py OUT_DIR MODEL_DIR [MODE]
 MODE (:data:`MODES`): ``coupled`` (the default), ``coupled-dense`` (``tree_dense_fallback="always"``),
-``decoupled`` or ``decoupled-value``. Trains STEPS
-optimizer steps of SGD on the rollouts of :func:`distributed_rollouts` (fed by a queue worker on the main
-process, weight sync a no-op) and saves this rank's parameters (and its value model's) to
+``decoupled``, ``decoupled-value`` or ``decoupled-value-minibatches`` (``ppo_n_minibatches=STEPS``).
+Trains STEPS optimizer steps of SGD on the rollouts of :func:`distributed_rollouts` (fed by a queue worker on
+the main process, weight sync a no-op) and saves this rank's parameters (and its value model's) to
 OUT_DIR/rank{RANK}.pt. :func:`make_trainer` builds the same run for any number of processes, so a test can
 train the one-process run of the same micro-batches in its own process.
 """
@@ -30,7 +30,9 @@ STEPS, PER_RANK, ACCUMULATION, LR, RANKS = 2, 3, 2, 0.05, 2
 CAP = 1.3  # the decoupled weight's cap: behaviour log-probs 0.4 off the policy's put some tokens over it
 DECOUPLED = dict(use_decoupled_loss=True, behav_imp_weight_cap=CAP)
 DENSE = dict(tree_dense_fallback="always")  # (TRL's dense path on every step, DDP reducing it)
-MODES = {"coupled": {}, "coupled-dense": DENSE, "decoupled": DECOUPLED, "decoupled-value": DECOUPLED}
+MINIBATCHES = dict(DECOUPLED, ppo_n_minibatches=STEPS)  # (one proximal pass for the run's steps)
+MODES = {"coupled": {}, "coupled-dense": DENSE, "decoupled": DECOUPLED, "decoupled-value": DECOUPLED,
+         "decoupled-value-minibatches": MINIBATCHES}  # fmt: skip
 
 
 def plain_model(model_dir):
@@ -66,7 +68,7 @@ def make_trainer(out_dir: str, model_dir: str, mode: str, processes: int) -> Asy
         model_dir, args=args, processing_class=tiny_tokenizer(), train_dataset=make_dataset(2),
         rollout_worker=QueueWorker(distributed_rollouts(plain_model(model_dir))),
         weight_transfer=NoWeightTransfer(),
-        value_model=make_critic(model_dir) if mode.endswith("-value") else None,
+        value_model=make_critic(model_dir) if "-value" in mode else None,
     )  # fmt: skip
 
 

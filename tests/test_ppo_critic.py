@@ -152,6 +152,28 @@ def test_policy_and_value_gradients_equal_a_dense_ppo_step(tmp_path, loss_type):
     assert logs[1]["value/clip_ratio"] > 0  # the second step's values moved past the clip range
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(steps_per_generation=4, num_iterations=1),
+        dict(steps_per_generation=4, num_iterations=2, max_steps=4),
+    ],
+    ids=["spg4", "spg4-iter2"],
+)
+def test_several_steps_per_generation_train_on_the_generations_old_values(tmp_path, shape):
+    """TRL's steps_per_generation larger than the accumulation (and num_iterations): every optimizer step of a
+    generation batch reads the old values and advantages of the generation (the value model as it was then),
+    so the value clip binds from the second step on (the synchronous counterpart of AsyncTreePPOConfig's
+    ppo_n_minibatches)."""
+    trainer, recorder = train(tmp_path, **shape)
+    assert (
+        len(recorder.policy_grads) == len(recorder.value_grads) == GA2["max_steps"] * shape["num_iterations"]
+    )
+    assert_dense_ppo(trainer, recorder)
+    clip = [log["value/clip_ratio"] for log in trainer.state.log_history if "value/clip_ratio" in log]
+    assert clip[0] == 0.0 and all(c > 0 for c in clip[1:])
+
+
 def test_lora_policy_and_lora_value_model_equal_a_dense_ppo_step(tmp_path):
     trainer, recorder = train(tmp_path, policy_lora=True, critic_lora=True)
     assert_dense_ppo(trainer, recorder)

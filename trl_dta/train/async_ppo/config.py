@@ -55,6 +55,17 @@ class AsyncTreePPOConfig(TreeArguments, ValueArguments, AsyncGRPOConfig):
             What happens to a token whose weight exceeds the cap: `"mask"` leaves it out of the loss (AReaL's
             filter), `"truncate"` keeps it with the weight clamped to the cap (truncated importance
             sampling).
+        ppo_n_minibatches (`int`, defaults to `1`):
+            With `use_decoupled_loss`: optimizer steps per proximal pass (AReaL's name; TRL's synchronous
+            trainer calls the idea `steps_per_generation`). The trainer takes this many optimizer steps'
+            micro-batches from the queue together, computes their proximal log-probs (with a value model,
+            old values and advantages) in one no-gradient walk of one trie, then takes the optimizer steps,
+            each on its own micro-batches. With `1` the proximal policy is the policy each step trains and
+            the clip never binds; from the second step of a pass on it does
+            (`clip_ratio/proximal_region_mean`, `value/clip_ratio`). Each is an optimizer step for the
+            learning-rate schedule, logging, checkpoints and weight syncs (AReaL syncs the server once per
+            pass: `weight_sync_steps` equal to this). docs/async.md, "The objective";
+            :mod:`~trl_dta.train.async_ppo.minibatches`.
 
     Fields of ``AsyncGRPOConfig`` that behave differently:
 
@@ -104,6 +115,14 @@ class AsyncTreePPOConfig(TreeArguments, ValueArguments, AsyncGRPOConfig):
         },
     )
 
+    ppo_n_minibatches: int = field(
+        default=1,
+        metadata={
+            "help": "use_decoupled_loss: optimizer steps per proximal pass (AReaL's ppo_n_minibatches): the "
+            "proximal log-probs of that many steps' samples are computed once, before the first of them."
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()  # (TreeArguments checks the shared options)
         check_async_arguments(self)
@@ -114,7 +133,8 @@ def check_async_arguments(args) -> None:
     construction, a plain ``AsyncGRPOConfig`` at the trainer's): an attention the walk does not support,
     ``attn_implementation`` in ``model_init_kwargs``, a positive ``token_budget``, a decoupled loss's cap of
     1 or less or an unknown cap mode, ``tree_dense_fallback="always"`` with
-    ``check_staleness_at_training``."""
+    ``check_staleness_at_training``, ``ppo_n_minibatches`` below 1, or above 1 without the decoupled loss or
+    with ``tree_dense_fallback="always"``."""
     check_flag("use_decoupled_loss", getattr(args, "use_decoupled_loss", False))
     check_flag("check_staleness_at_training", getattr(args, "check_staleness_at_training", False))
     if getattr(args, "check_staleness_at_training", False):  # (it works on the step's walk)
@@ -125,6 +145,7 @@ def check_async_arguments(args) -> None:
     mode = getattr(args, "behav_imp_weight_mode", "mask")
     if mode not in ("mask", "truncate"):
         raise ValueError(f"behav_imp_weight_mode must be 'mask' or 'truncate', got {mode!r}")
+    check_minibatches(args)
     attention = getattr(args, "tree_attn_implementation", "sdpa")
     if attention not in SUPPORTED_ATTENTION:
         raise ValueError(
@@ -142,4 +163,27 @@ def check_async_arguments(args) -> None:
             "batching (it drops samples longer than the budget); micro-batches hold "
             "per_device_train_batch_size samples per rank and the walk's tree_* budgets bound memory. Leave "
             "token_budget unset."
+        )
+
+
+def check_minibatches(args) -> None:
+    """``ppo_n_minibatches``: a whole number >= 1; above 1 it needs the decoupled objective (the coupled one
+    clips the ratio to the behaviour policy: a proximal pass would compute log-probs its loss never reads)
+    and a walk for the pass (``tree_dense_fallback="always"`` would walk every pass)."""
+    k = getattr(args, "ppo_n_minibatches", 1)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"ppo_n_minibatches must be a whole number >= 1, got {k!r}")
+    if k == 1:
+        return
+    if not getattr(args, "use_decoupled_loss", False):
+        raise ValueError(
+            f"ppo_n_minibatches={k} needs use_decoupled_loss=True: k optimizer steps per pass clip the ratio "
+            "to the proximal policy (the weights before the pass), which only the decoupled objective reads. "
+            "TRL's coupled objective clips the ratio to the behaviour policy at every step already."
+        )
+    if getattr(args, "tree_dense_fallback", "auto") == "always":
+        raise ValueError(
+            f'tree_dense_fallback="always" is not supported with ppo_n_minibatches={k}: the proximal '
+            'log-probs of each pass are computed by a walk. Use "auto" (the steps still take the dense path '
+            'where it is predicted faster) or "never".'
         )

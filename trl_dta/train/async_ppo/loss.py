@@ -14,18 +14,20 @@ log-probs and hence its own importance weight, whichever policy version produced
 shares with samples of other versions in the step's trie.
 
 **The decoupled objective** (``use_decoupled_loss``, AReaL's, for stale samples): the ratio is taken against
-the *proximal* policy, the trainer's weights when the step starts, and each token is weighted by the
+the *proximal* policy, the trainer's weights when a proximal pass starts, and each token is weighted by the
 importance weight ``w = π_prox / π_behav``, capped (:class:`Decoupled`)::
 
     ratio = exp(logp - prox);  term = -min(ratio * A, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) * w
 
-This trainer updates the policy once per walked step (TRL's asynchronous trainer has no
-``num_iterations``), so the proximal policy *is* the policy of the step's walk: the proximal log-probs are the
-gradient walk's own log-probs, detached, with no second pass (AReaL recomputes them because it updates
-several times per batch). The ratio is then 1 in value and the gradient of a token is ``-A · w · ∇logp``:
-the stale token keeps its gradient, weighted, where the coupled objective clips it away.
-:func:`dense_loss` computes the proximal log-probs by a separate no-gradient forward, so the tests check
-that claim.
+With one optimizer step per pass (``ppo_n_minibatches=1``, the default) the proximal policy *is* the policy of
+the step's walk: the proximal log-probs are the gradient walk's own log-probs, detached, with no second pass.
+The ratio is then 1 in value, the clip never binds, and the gradient of a token is ``-A · w · ∇logp``: the
+stale token keeps its gradient, weighted, where the coupled objective clips it away. With
+``ppo_n_minibatches=k > 1`` a no-gradient pass computes the proximal log-probs of k steps' samples once,
+before the first of the k updates (:mod:`~trl_dta.train.async_ppo.minibatches`; each sample carries them,
+``AsyncSample.proximal``): from the second update on the ratio moves and the clip holds the policy near the
+proximal one. :func:`dense_loss` computes the proximal log-probs of a sample without a pass by a separate
+no-gradient forward, so the tests check the first claim.
 
 :func:`micro_batch_samples` reads a collated micro-batch (:mod:`trl_dta.train.async_ppo.data`) into
 :class:`AsyncSample` records; :func:`dense_loss` is the same loss by a plain forward of each sample (the
@@ -53,6 +55,10 @@ class AsyncSample(NamedTuple):
     version: int = -1  # the policy version that generated it (-1: unknown)
     reward: float = 0.0  # its reward (the rollout worker's), for a value model's GAE
     row: int = 0  # its row in the collated micro-batch
+    # from a proximal pass (ppo_n_minibatches > 1: async_ppo/minibatches.py), at its trained tokens; else None
+    proximal: torch.Tensor | None = None  # the proximal policy's log-probs
+    old_values: torch.Tensor | None = None  # with a value model: its values then (the value clip's)
+    returns: torch.Tensor | None = None  # with a value model: GAE's returns then (its advantages: advantage)
 
 
 def tokens_per_rank(inputs: dict, world_size: int = 1) -> float:
@@ -69,12 +75,15 @@ def micro_batch_samples(inputs: dict, batch: int = 0) -> list[AsyncSample]:
     ids, masks, old, advantages, lengths = (inputs[k].cpu() for k in keys)  # (one copy, not one per sample)
     versions = inputs["versions"].tolist() if "versions" in inputs else [-1] * len(lengths)
     rewards = inputs["rewards"].tolist() if "rewards" in inputs else [0.0] * len(lengths)
+    passed = {k: inputs[k].cpu() for k in PASS_FIELDS if k in inputs}  # (a proximal pass's, aligned as old)
     samples = []
     for i, length in enumerate(lengths.tolist()):
         trained = torch.nonzero(masks[i, 1:length], as_tuple=True)[0] + 1  # token indices p with a loss term
         if trained.numel() == 0:
             continue
         score_from = int(trained[0]) - 1
+        at = {k: v[i, trained] for k, v in passed.items()}
+        advantage = at["token_advantages"] if "token_advantages" in at else float(advantages[i])
         samples.append(
             AsyncSample(
                 tokens=ids[i, :length].tolist(),
@@ -82,13 +91,21 @@ def micro_batch_samples(inputs: dict, batch: int = 0) -> list[AsyncSample]:
                 score_from=score_from,
                 positions=trained - 1 - score_from,
                 old_logps=old[i, trained],
-                advantage=float(advantages[i]),
+                advantage=advantage,
                 version=int(versions[i]),
                 reward=float(rewards[i]),
                 row=i,
+                proximal=at.get("proximal_log_probs"),
+                old_values=at.get("old_values"),
+                returns=at.get("returns"),
             )
         )
     return samples
+
+
+PASS_FIELDS = ("proximal_log_probs", "old_values", "returns", "token_advantages")
+"""What a proximal pass adds to a collated micro-batch (``[N, L]`` each, aligned with ``old_log_probs``: token
+``p``'s value at ``p``, set at trained tokens): :mod:`~trl_dta.train.async_ppo.minibatches`."""
 
 
 class Decoupled(NamedTuple):
@@ -119,8 +136,9 @@ class ClippedSurrogate:
         epsilon_low, epsilon_high: the clipping range ``[1 - epsilon_low, 1 + epsilon_high]``.
         accumulation: the gradient accumulation steps the loss is divided by (1 in evaluation).
         decoupled: the decoupled objective's weight settings (None: TRL's coupled objective).
-        proximal: with ``decoupled``, per sample the proximal log-probs of its trained tokens; None: the
-            walk's own, detached (exact here: module docstring).
+        proximal: with ``decoupled``, per sample the proximal log-probs of its trained tokens; None: each
+            sample's own (``AsyncSample.proximal``, a proximal pass's), else the walk's, detached (exact with
+            one optimizer step per pass: module docstring).
     """
 
     def __init__(
@@ -143,13 +161,19 @@ class ClippedSurrogate:
         old = s.old_logps.to(device=lp.device, dtype=lp.dtype)
         weight = 1.0
         if self.decoupled is not None:  # the ratio against the proximal policy, the capped weight
-            old = lp.detach() if self.proximal is None else self.proximal[k].to(lp)
+            old = proximal_of(s, lp) if self.proximal is None else self.proximal[k].to(lp)
             weight, _ = self.decoupled.weights(old, s.old_logps.to(lp))
         ratio = torch.exp(lp - old)
         clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
         advantage = _on(s.advantage, lp)  # (a float, or per token with a value model)
         per_token = -torch.min(ratio * advantage, clipped * advantage) * weight
         return per_token.sum() / self.normalisers[s.batch] / self.accumulation
+
+
+def proximal_of(s: AsyncSample, logps: torch.Tensor) -> torch.Tensor:
+    """Sample ``s``'s proximal log-probs at its trained tokens, beside ``logps`` (the policy's now): its
+    proximal pass's, else ``logps`` detached (the policy of the step is the proximal one)."""
+    return logps.detach() if s.proximal is None else s.proximal.to(logps)
 
 
 def dense_loss(
@@ -175,9 +199,11 @@ def dense_loss(
         return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[s.score_from :, 0]
 
     proximal = None
-    if decoupled is not None:
+    if decoupled is not None:  # (a proximal pass's where the samples have one)
         with torch.no_grad():
-            proximal = [logps_of(s)[s.positions.to(device)] for s in samples]
+            proximal = [
+                s.proximal if s.proximal is not None else logps_of(s)[s.positions.to(device)] for s in samples
+            ]
     loss_fn = ClippedSurrogate(
         samples,
         [tokens_per_rank(inputs, world_size)],

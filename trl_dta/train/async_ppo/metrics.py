@@ -10,7 +10,7 @@ from math import nan
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
-from .loss import Decoupled, importance_sums, padded_logps, surrogate_sums
+from .loss import Decoupled, importance_sums, padded_logps, proximal_of, surrogate_sums
 
 TRL_MEANS = (
     "ratio",
@@ -54,9 +54,9 @@ def micro_batch_metrics(
         extremes = torch.stack(
             [(per_sample[:, 3] / per_sample[:, 6]).min(), (per_sample[:, 4] / per_sample[:, 6]).max()]
         )
-    parts = [per_sample.sum(0), extremes]  # (7 sums, 2 extremes; then 3 and 4 more values)
-    if decoupled is not None:  # the walk's log-probs are the proximal policy's (async_ppo/loss.py)
-        parts.append(importance_local(walked, decoupled, device))
+    parts = [per_sample.sum(0), extremes]  # (7 sums, 2 extremes; then 4 and 4 more values)
+    if decoupled is not None:  # (against each sample's proximal log-probs: async_ppo/loss.py)
+        parts.append(importance_local(walked, decoupled, epsilon_low, epsilon_high, device))
     if version is not None:
         parts.append(stale_local(walked, per_sample, decoupled, version, device))
     local = torch.cat(parts)
@@ -68,8 +68,8 @@ def micro_batch_metrics(
     out["clip_ratio/high_max"] = nanmax(ranks[:, 8]).item()
     rest = ranks[:, 9:]
     if decoupled is not None:
-        out.update(importance_weights(rest[:, :3], count))
-        rest = rest[:, 3:]
+        out.update(importance_weights(rest[:, :4], count))
+        rest = rest[:, 4:]
     if version is not None:
         out.update(stale_metrics(rest.sum(0), decoupled))
     return out
@@ -86,7 +86,8 @@ def stale_local(
     if decoupled is not None:
         for k in stale:
             s, lp = walked.samples[k], walked.logps[k].double()
-            capped += decoupled.weights(lp, s.old_logps.to(lp))[1].double().sum().to(device)
+            prox = proximal_of(s, lp)
+            capped += decoupled.weights(prox, s.old_logps.to(lp))[1].double().sum().to(device)
     rows = per_sample[stale] if stale else per_sample.new_zeros(0, 7)
     return torch.stack([rows[:, 6].sum(), rows[:, 5].sum(), capped, per_sample[:, 6].sum()])
 
@@ -97,8 +98,9 @@ def stale_metrics(sums: torch.Tensor, decoupled: Decoupled | None) -> dict[str, 
     (``staleness/stale_clip_ratio``: TRL's region-clipped tokens, whose gradient the coupled objective drops),
     with the decoupled objective the share over the weight's cap (``staleness/stale_capped_ratio``), and the
     share whose gradient the objective in use keeps (``staleness/stale_kept_ratio``: coupled, not clipped;
-    decoupled, not masked by the cap, all of them with ``"truncate"``; the decoupled ratio against the
-    proximal policy clips nothing, async_ppo/loss.py)."""
+    decoupled, not masked by the cap, all of them with ``"truncate"``: the proximal policy's staleness, that
+    is; the trust region's clip against the proximal policy, which binds from a pass's second update on, is
+    ``clip_ratio/proximal_region_mean``)."""
     tokens, clipped, over, count = sums.tolist()
     out = {"staleness/stale_token_share": tokens / count if count else nan}
     share = (lambda n: n / tokens) if tokens else (lambda n: nan)
@@ -111,29 +113,36 @@ def stale_metrics(sums: torch.Tensor, decoupled: Decoupled | None) -> dict[str, 
     return out
 
 
-def importance_local(walked: MicroBatchWalk, decoupled: Decoupled, device) -> torch.Tensor:
-    """This rank's sums behind :func:`importance_weights`: ``[weight sum, tokens over the cap, largest
-    weight]`` over the micro-batch's trained tokens (-inf largest where the rank has no sample)."""
-    rows = [
-        importance_sums(lp, s.old_logps, decoupled).to(device)
-        for s, lp in zip(walked.samples, walked.logps, strict=True)
-    ]
+def importance_local(
+    walked: MicroBatchWalk, decoupled: Decoupled, epsilon_low: float, epsilon_high: float, device
+) -> torch.Tensor:
+    """This rank's sums behind :func:`importance_weights`: ``[weight sum, tokens over the cap, tokens the
+    ratio to the proximal policy clips, largest weight]`` over the micro-batch's trained tokens (-inf largest
+    where the rank has no sample)."""
+    rows = []
+    for s, lp in zip(walked.samples, walked.logps, strict=True):
+        prox = proximal_of(s, lp.double())
+        weights = importance_sums(prox, s.old_logps, decoupled)
+        clipped = surrogate_sums(lp, prox, s.advantage, lp, epsilon_low, epsilon_high)[5]  # (region-clipped)
+        rows.append(torch.cat([weights[:2], clipped.reshape(1), weights[2:]]).to(device))
     if not rows:
-        return torch.tensor([0.0, 0.0, -torch.inf], dtype=torch.float64, device=device)
+        return torch.tensor([0.0, 0.0, 0.0, -torch.inf], dtype=torch.float64, device=device)
     sums = torch.stack(rows)
-    return torch.cat([sums[:, :2].sum(0), sums[:, 2].max().reshape(1)])
+    return torch.cat([sums[:, :3].sum(0), sums[:, 3].max().reshape(1)])
 
 
 def importance_weights(ranks: torch.Tensor, count: float) -> dict[str, float]:
-    """The decoupled objective's importance weights π_prox / π_behav over the micro-batch's trained tokens,
-    from :func:`importance_local` of every rank (``[ranks, 3]``) and the trained tokens' ``count``: their
-    mean and largest value before capping, and the share over the cap. (The clip fraction against the
-    proximal policy is 0 by construction, one update per walked step: not logged; TRL's ``clip_ratio/*``
-    still measure the ratio against the behaviour policy.)"""
+    """The decoupled objective's metrics over the micro-batch's trained tokens, from :func:`importance_local`
+    of every rank (``[ranks, 4]``) and the trained tokens' ``count``: the importance weights π_prox / π_behav'
+    mean and largest value before capping and the share over the cap; and the share of tokens whose ratio to
+    the proximal policy is clipped (``clip_ratio/proximal_region_mean``: the trust region binding; 0 at a
+    pass's first update by construction, above 0 from its second on where the policy moved, with
+    ``ppo_n_minibatches > 1``). TRL's ``clip_ratio/*`` measure the ratio against the behaviour policy."""
     return {
         "decoupled/imp_weight_mean": float(ranks[:, 0].sum()) / count if count else nan,
-        "decoupled/imp_weight_max": float(ranks[:, 2].max()) if count else nan,
+        "decoupled/imp_weight_max": float(ranks[:, 3].max()) if count else nan,
         "decoupled/capped_ratio": float(ranks[:, 1].sum()) / count if count else nan,
+        "clip_ratio/proximal_region_mean": float(ranks[:, 2].sum()) / count if count else nan,
     }
 
 

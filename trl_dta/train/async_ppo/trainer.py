@@ -67,6 +67,7 @@ from .loss import (
     tokens_per_rank,
 )
 from .metrics import MicroBatchWalk, dense_micro_batch, micro_batch_metrics
+from .minibatches import ProximalPasses, add_pass_fields
 from .values import check_episodes, sample_targets
 
 
@@ -141,6 +142,16 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelCheckpoints, AsyncGRPOTra
         if value_model is not None:
             self._critic = ValueModel.for_trainer(value_model, self, rollout_length(a))
         self._schedule: StepSchedule | None = None  # the current optimizer step's micro-batches
+        self._passes = None  # ppo_n_minibatches > 1: the steps of the current proximal pass
+        if getattr(a, "ppo_n_minibatches", 1) > 1:
+            self._passes = ProximalPasses(a.ppo_n_minibatches, self._proximal_pass)
+
+    def _proximal_pass(self, batches: list[dict]) -> None:
+        """A pass's fields (proximal log-probs; with a value model old values, returns, advantages) added to
+        its raw micro-batches by the policy as it is now (:func:`~trl_dta.train.async_ppo.minibatches.
+        add_pass_fields`)."""
+        model = self.model_wrapped if self.model_wrapped is not None else self.model
+        add_pass_fields(self._walker, model, batches, self.temperature, self._critic, self._metrics["train"])
 
     def _use_walk_attention(self) -> None:
         """Undo TRL's model set-up for its packing: the FA3 tree attention and the fused-LM-head forward."""
@@ -178,7 +189,13 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelCheckpoints, AsyncGRPOTra
         return self.accelerator.prepare(DataLoader(dataset, batch_size=1, collate_fn=collator, num_workers=0))
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if self._passes is None:
+            batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        else:  # ppo_n_minibatches > 1: this step's share of its pass (async_ppo/minibatches.py)
+            fetch = lambda: super(AsyncTreePPOTrainer, self).get_batch_samples(
+                epoch_iterator, num_batches, device
+            )
+            batches, num_items = self._passes.take(fetch, self.state.max_steps - self.state.global_step)
         check = self._walker.take_check()  # (tree_check_gradients: the first step)
         self._schedule = StepSchedule(
             batches, same=same_micro_batch, prepare=self._prepare_inputs, check=check

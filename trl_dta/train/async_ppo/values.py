@@ -15,12 +15,18 @@ advantage on it; with a value model that advantage is not used. At each optimize
    1, so the value clip does not bind), normalised as the policy's loss (the micro-batch's trained tokens
    per rank, the accumulation steps), and steps its own optimizer after the step's last micro-batch.
 
+With ``ppo_n_minibatches = k > 1``, steps 1-2 run once per proximal pass, over k optimizer steps' samples
+(:func:`pass_targets`, called by :mod:`~trl_dta.train.async_ppo.minibatches`; advantages whitened over the
+pass): each sample carries its old values, returns and advantages to its step, and from the pass's second
+update on the value clip (``cliprange_value``) binds as the policy's does.
+
 GAE runs per row: :func:`check_episodes` refuses what that would get wrong.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import isnan
 
 from ..critic.value_model import ValueModel, ValueTarget
 from .loss import AsyncSample
@@ -63,7 +69,20 @@ def sample_targets(
 ) -> tuple[list[AsyncSample], list[ValueTarget]]:
     """Steps 1-2 (module docstring): the step's ``samples`` with per-token advantages, and each one's
     :class:`ValueTarget` for the value model's walk (step 4); the generation's ``value/*`` metrics logged
-    into ``metrics``."""
+    into ``metrics``. Samples of a proximal pass (``ppo_n_minibatches > 1``: their ``old_values``, returns
+    and advantages from the pass, :func:`pass_targets`) keep them: no walk here."""
+    if samples and all(s.old_values is not None for s in samples):
+        losses = [
+            ValueTarget(
+                s.positions,
+                s.old_values,
+                s.returns,
+                float(not isnan(s.reward)),
+                normalisers[s.batch] * accumulation,
+            )
+            for s in samples
+        ]
+        return list(samples), losses
     values = critic.values(sequences, [s.positions for s in samples])
     targets = critic.targets(values, [s.reward for s in samples])
     for name, value in targets.metrics.items():
@@ -74,3 +93,14 @@ def sample_targets(
         for s, v, r, scored in zip(samples, values, targets.returns, targets.scored, strict=True)
     ]
     return advantaged, losses
+
+
+def pass_targets(critic: ValueModel, samples: Sequence[AsyncSample], sequences: Sequence, metrics) -> list:
+    """Steps 1-2 for a proximal pass's ``samples`` (k steps'): per sample, its values (the old values of its
+    value clip), returns and per-token advantages; the ``value/*`` metrics of the pass logged into
+    ``metrics``."""
+    values = critic.values(sequences, [s.positions for s in samples])
+    targets = critic.targets(values, [s.reward for s in samples])
+    for name, value in targets.metrics.items():
+        metrics[name].append(value)
+    return list(zip(values, targets.returns, targets.advantages, strict=True))
