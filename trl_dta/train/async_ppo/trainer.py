@@ -28,7 +28,8 @@ ratios, ``perf/*``, ``batch/*``, ``sample/*``). What changes:
   ``compute_loss`` then logs TRL's metrics of its micro-batch from the walk's values and returns its loss
   value (gradients are in ``.grad``).
 * **Options beyond TRL's** (docs/async.md): AReaL's decoupled objective (``use_decoupled_loss``,
-  :mod:`~trl_dta.train.async_ppo.loss`), the staleness bound checked again when a sample trains
+  :mod:`~trl_dta.train.async_ppo.loss`) and its k updates per proximal pass (``ppo_n_minibatches``,
+  :mod:`~trl_dta.train.async_ppo.minibatches`), the staleness bound checked again when a sample trains
   (``check_staleness_at_training``), a value model (``value_model=``, :mod:`~trl_dta.train.async_ppo.values`)
   and the dense path on steps the cost model predicts slower to walk (``tree_dense_fallback``).
 
