@@ -48,7 +48,7 @@ _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "trl_dta").is_dir() and str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from recipe_utils.arguments import DOMAINS  # noqa: E402 (this folder is sys.path[0])
+from recipe_utils.arguments import DOMAINS, model_cache_dir_field  # noqa: E402 (this folder is sys.path[0])
 from recipe_utils.offline_model import OFFLINE_SMOLLM2  # noqa: E402
 
 from trl_dta import TreeSFTConfig  # noqa: E402 (cheap: the trainer module loads on first use)
@@ -84,13 +84,7 @@ class ScriptArguments:
     no_tree: bool = field(
         default=False, metadata={"help": "Train with stock trl.SFTTrainer (same settings) instead (A/B)."}
     )
-    model_cache_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": f"Where --model_name_or_path {OFFLINE_SMOLLM2} is cached (unset: $TRL_DTA_CACHE, else "
-            "$XDG_CACHE_HOME/trl_dta or ~/.cache/trl_dta)."
-        },
-    )
+    model_cache_dir: str | None = model_cache_dir_field()
 
     def __post_init__(self):
         if self.domain in UNSUPPORTED_DOMAINS:

@@ -1,6 +1,7 @@
 """The τ² RL recipes' own arguments (:class:`Tau2Arguments`: the domain, its tasks, the simulated user, the
 reward, evaluation, the value model; shared by ``recipes/ppo_tau2.py`` and ``recipes/ppo_tau2_async.py``)
-and their logging set-up (:func:`setup_logging`)."""
+and their logging set-up (:func:`setup_logging`); ``--model_cache_dir`` for every τ² recipe
+(:func:`model_cache_dir_field`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,17 @@ from recipe_utils.offline_model import OFFLINE_SMOLLM2
 from trl_dta.envs.tau2.domain import UNSUPPORTED_DOMAINS  # (cheap: does not import tau2)
 
 DOMAINS = ("retail", "airline", "mock")  # τ²'s telecom domains are refused (UNSUPPORTED_DOMAINS says why)
+
+
+def model_cache_dir_field():
+    """Every τ² recipe's ``--model_cache_dir``: where the offline SmolLM2 is cached."""
+    return field(
+        default=None,
+        metadata={
+            "help": f"Where --model_name_or_path {OFFLINE_SMOLLM2} is cached (unset: $TRL_DTA_CACHE, else "
+            "$XDG_CACHE_HOME/trl_dta or ~/.cache/trl_dta)."
+        },
+    )
 
 
 @dataclass
@@ -129,13 +141,7 @@ class Tau2Arguments:
         default=True,
         metadata={"help": "Write reward_curve.png (reward and grad_norm per step) to output_dir."},
     )
-    model_cache_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": f"Where --model_name_or_path {OFFLINE_SMOLLM2} is cached (unset: $TRL_DTA_CACHE, else "
-            "$XDG_CACHE_HOME/trl_dta or ~/.cache/trl_dta)."
-        },
-    )
+    model_cache_dir: str | None = model_cache_dir_field()
 
     def __post_init__(self):
         # Also catches a value from a YAML file, which argparse's `choices` does not check.
