@@ -236,11 +236,18 @@ def surrogate_sums(
     advantage = _on(advantage, logps)
     log_ratio = logps - old
     ratio = torch.exp(log_ratio)
-    low = (ratio < 1 - epsilon_low) & (advantage < 0)
-    high = (ratio > 1 + epsilon_high) & (advantage > 0)
+    low, high = clipped_tokens(ratio, advantage, epsilon_low, epsilon_high)
     count = torch.tensor(float(logps.numel()), dtype=torch.float64, device=logps.device)
     clipped = [mask.double().sum() for mask in (low, high, low | high)]
     return torch.stack([ratio.sum(), ((ratio - 1) - log_ratio).sum(), entropies.sum(), *clipped, count])
+
+
+def clipped_tokens(ratio: torch.Tensor, advantage, epsilon_low: float, epsilon_high: float):
+    """TRL's ``(low, high)`` token masks, where the clipped surrogate's clip binds (its gradient is zero): the
+    ratio below ``1 - epsilon_low`` with a negative advantage, above ``1 + epsilon_high`` with a positive one
+    (``advantage``: a float, or per token)."""
+    advantage = _on(advantage, ratio)
+    return (ratio < 1 - epsilon_low) & (advantage < 0), (ratio > 1 + epsilon_high) & (advantage > 0)
 
 
 def importance_sums(logps: torch.Tensor, behaviour: torch.Tensor, decoupled: Decoupled) -> torch.Tensor:

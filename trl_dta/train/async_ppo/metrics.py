@@ -10,7 +10,7 @@ from math import nan
 import torch
 from trl.trainer.utils import nanmax, nanmin
 
-from .loss import Decoupled, importance_sums, padded_logps, proximal_of, surrogate_sums
+from .loss import Decoupled, clipped_tokens, importance_sums, padded_logps, proximal_of, surrogate_sums
 
 TRL_MEANS = (
     "ratio",
@@ -121,10 +121,12 @@ def importance_local(
     where the rank has no sample)."""
     rows = []
     for s, lp in zip(walked.samples, walked.logps, strict=True):
-        prox = proximal_of(s, lp.double())
+        lp = lp.double()
+        prox = proximal_of(s, lp)
         weights = importance_sums(prox, s.old_logps, decoupled)
-        clipped = surrogate_sums(lp, prox, s.advantage, lp, epsilon_low, epsilon_high)[5]  # (region-clipped)
-        rows.append(torch.cat([weights[:2], clipped.reshape(1), weights[2:]]).to(device))
+        low, high = clipped_tokens(torch.exp(lp - prox), s.advantage, epsilon_low, epsilon_high)
+        clipped = (low | high).double().sum().reshape(1)
+        rows.append(torch.cat([weights[:2], clipped, weights[2:]]).to(device))
     if not rows:
         return torch.tensor([0.0, 0.0, 0.0, -torch.inf], dtype=torch.float64, device=device)
     sums = torch.stack(rows)
