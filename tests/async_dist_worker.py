@@ -4,7 +4,9 @@ tests/test_async_value_model.py (the decoupled one with a value model).
 
 Usage: torchrun --nproc_per_node 2 tests/async_dist_worker.py OUT_DIR MODEL_DIR [MODE]
 MODE (:data:`MODES`): ``coupled`` (the default), ``coupled-dense`` (``tree_dense_fallback="always"``),
-``decoupled``, ``decoupled-value`` or ``decoupled-value-minibatches`` (``ppo_n_minibatches=STEPS``).
+``decoupled``, ``decoupled-value``, ``decoupled-value-minibatches`` (``ppo_n_minibatches=STEPS``) or
+``decoupled-value-minibatches-idle`` (the same with a rank that has nothing to train in the second step:
+:func:`idle_rank_rollouts`).
 Trains STEPS optimizer steps of SGD on the rollouts of :func:`distributed_rollouts` (fed by a queue worker on
 the main process, weight sync a no-op) and saves this rank's parameters (and its value model's) to
 OUT_DIR/rank{RANK}.pt. :func:`make_trainer` builds the same run for any number of processes, so a test can
@@ -21,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trl_dta import AsyncTreePPOConfig, AsyncTreePPOTrainer, value_model_from
-from trl_dta.testing.async_grpo import NoWeightTransfer, QueueWorker, synthetic_rollouts
+from trl_dta.testing.async_grpo import NoWeightTransfer, QueueWorker, rollout, synthetic_rollouts
 from trl_dta.testing.grpo import make_dataset, tiny_tokenizer
 from trl_dta.testing.torchrun import exit_worker, run_workers
 
@@ -32,7 +34,8 @@ DECOUPLED = dict(use_decoupled_loss=True, behav_imp_weight_cap=CAP)
 DENSE = dict(tree_dense_fallback="always")  # (TRL's dense path on every step, DDP reducing it)
 MINIBATCHES = dict(DECOUPLED, ppo_n_minibatches=STEPS)  # (one proximal pass for the run's steps)
 MODES = {"coupled": {}, "coupled-dense": DENSE, "decoupled": DECOUPLED, "decoupled-value": DECOUPLED,
-         "decoupled-value-minibatches": MINIBATCHES}  # fmt: skip
+         "decoupled-value-minibatches": MINIBATCHES,
+         "decoupled-value-minibatches-idle": MINIBATCHES}  # fmt: skip
 
 
 def plain_model(model_dir):
@@ -44,6 +47,20 @@ def distributed_rollouts(model):
     so the lexicographic partition gives the ranks unequal sample counts (zero-weight rows pad the other)."""
     prompts = [40] + [6] * 9
     return synthetic_rollouts(21, model, TEMPERATURE, groups=10, per_group=3, versions=(0, 1), prompt=prompts)
+
+
+def idle_rank_rollouts(samples):
+    """``samples`` with, in each micro-batch of the second step (two groups of 3), the group whose tokens sort
+    last left untrained (its completion mask zeroed): the lexicographic partition gives it to the last rank,
+    which has no sample to train in that step (the worker records it) while the other rank trains."""
+    per_batch, out = PER_RANK * RANKS, list(samples)
+    for first in range(per_batch * ACCUMULATION, 2 * per_batch * ACCUMULATION, per_batch):
+        groups = [out[first : first + 3], out[first + 3 : first + per_batch]]
+        last = max(range(2), key=lambda g: groups[g][0].input_ids.tolist())
+        for k, s in enumerate(groups[last], first + 3 * last):
+            out[k] = rollout(s.input_ids, [0] * len(s.input_ids), s.old_log_probs, s.advantage,
+                             version=s.model_version, group=s.group_id)  # fmt: skip
+    return out
 
 
 def make_critic(model_dir):
@@ -64,9 +81,12 @@ def make_trainer(out_dir: str, model_dir: str, mode: str, processes: int) -> Asy
         epsilon=EPSILON, epsilon_high=EPSILON_HIGH, temperature=TEMPERATURE, max_staleness=3,
         **{"tree_dense_fallback": "never", **MODES[mode]},  # (one process walks too, as two do)
     )  # fmt: skip
+    samples = distributed_rollouts(plain_model(model_dir))
+    if mode.endswith("-idle"):
+        samples = idle_rank_rollouts(samples)
     return AsyncTreePPOTrainer(
         model_dir, args=args, processing_class=tiny_tokenizer(), train_dataset=make_dataset(2),
-        rollout_worker=QueueWorker(distributed_rollouts(plain_model(model_dir))),
+        rollout_worker=QueueWorker(samples),
         weight_transfer=NoWeightTransfer(),
         value_model=make_critic(model_dir) if "-value" in mode else None,
     )  # fmt: skip
@@ -99,8 +119,11 @@ def launch(out_dir: Path, model_dir, mode: str = "coupled") -> list[dict]:
 
 def main(out_dir: str, model_dir: str, mode: str = "coupled") -> None:
     trainer = make_trainer(out_dir, model_dir, mode, RANKS)
+    trained, within = [], trainer._within_staleness  # (each training walk's samples on this rank)
+    trainer._within_staleness = lambda samples: trained.append(len(samples)) or within(samples)
     trainer.train()
-    torch.save(trained_state(trainer), f"{out_dir}/rank{trainer.accelerator.process_index}.pt")
+    state = {**trained_state(trainer), "trained_samples": trained}
+    torch.save(state, f"{out_dir}/rank{trainer.accelerator.process_index}.pt")
     exit_worker()  # (trl_dta/testing/torchrun.py)
 
 

@@ -116,13 +116,16 @@ def test_train_with_a_value_model_completes_and_saves_it(model_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["decoupled-value", "decoupled-value-minibatches"])
+@pytest.mark.parametrize(
+    "mode", ["decoupled-value", "decoupled-value-minibatches", "decoupled-value-minibatches-idle"]
+)
 def test_two_processes_with_a_value_model_equal_one(model_dir, tmp_path, mode):
     """Two DDP processes (torchrun, gloo), the decoupled objective and a value model: GAE's whitening over
     every rank's tokens, both models' gradients averaged once per step. Both ranks' policy and value model
     equal one process's run of the same micro-batches (a one-process step is checked against a dense one
     above; ``-minibatches``: the run's steps in one proximal pass, ``ppo_n_minibatches``, each rank's pass
-    walking its share of them, checked on one process in test_async_minibatches.py)."""
+    walking its share of them, checked on one process in test_async_minibatches.py; ``-idle``: the last rank
+    has nothing to train in the second step, and still agrees with the other on the pass's targets)."""
     import async_dist_worker as dist
 
     ranks = dist.launch(tmp_path / "two", model_dir, mode)
@@ -139,7 +142,9 @@ def test_two_processes_with_a_value_model_equal_one(model_dir, tmp_path, mode):
     for key in ("value/loss", "decoupled/imp_weight_mean"):
         assert len([log for log in ranks[0]["logs"] if key in log]) == dist.STEPS, key
     passes = [log for log in ranks[0]["logs"] if "proximal_tree/time_s" in log]
-    assert len(passes) == (1 if mode.endswith("-minibatches") else 0)
+    assert len(passes) == (0 if mode == "decoupled-value" else 1)
+    if mode.endswith("-idle"):  # (the case is what it says: the last rank trained nothing in step 2)
+        assert ranks[-1]["trained_samples"][1] == 0 and ranks[0]["trained_samples"][1] > 0
 
 
 def test_a_conversation_forked_into_rows_gets_its_episodes_advantages_at_gamma_and_lam_one(tmp_path):

@@ -32,7 +32,7 @@ import torch
 
 from ..step import StepSequence, StepWalker
 from .loss import micro_batch_samples
-from .values import pass_targets
+from .values import with_targets
 
 
 class ProximalPasses:
@@ -76,9 +76,10 @@ def add_pass_fields(
         "proximal_log_probs": [lp[s.positions.to(lp.device)] for s, lp in zip(samples, logps, strict=True)]
     }
     if critic is not None:  # (every rank walks and whitens, with samples or not)
-        rows = pass_targets(critic, samples, sequences, metrics)
-        for j, name in enumerate(("old_values", "returns", "token_advantages")):
-            fields[name] = [row[j] for row in rows]
+        valued = with_targets(critic, samples, sequences, metrics)
+        fields["old_values"] = [s.old_values for s in valued]
+        fields["returns"] = [s.returns for s in valued]
+        fields["token_advantages"] = [s.advantage for s in valued]
     for inputs in batches:  # (in the values' dtype: an fp64 model's stay fp64)
         old = inputs["old_log_probs"]
         for name, per_sample in fields.items():

@@ -296,8 +296,9 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelCheckpoints, AsyncGRPOTra
         metrics = self._metrics["train" if training else "eval"]
         targets = None
         if self._critic is not None:  # the current value model's values, GAE: per-token advantages
+            from_pass = all("old_values" in inputs for inputs in batches)  # (a pass's: ppo_n_minibatches)
             samples, targets = sample_targets(
-                self._critic, samples, sequences, normalisers, accumulation, metrics
+                self._critic, samples, sequences, normalisers, accumulation, metrics, from_pass
             )
         loss_fn = ClippedSurrogate(
             samples, normalisers, self.epsilon_low, self.epsilon_high, accumulation, self._decoupled

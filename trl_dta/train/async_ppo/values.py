@@ -16,7 +16,7 @@ advantage on it; with a value model that advantage is not used. At each optimize
    per rank, the accumulation steps), and steps its own optimizer after the step's last micro-batch.
 
 With ``ppo_n_minibatches = k > 1``, steps 1-2 run once per proximal pass, over k optimizer steps' samples
-(:func:`pass_targets`, called by :mod:`~trl_dta.train.async_ppo.minibatches`; advantages whitened over the
+(:func:`with_targets`, called by :mod:`~trl_dta.train.async_ppo.minibatches`; advantages whitened over the
 pass): each sample carries its old values, returns and advantages to its step, and from the pass's second
 update on the value clip (``cliprange_value``) binds as the policy's does.
 
@@ -66,41 +66,39 @@ def sample_targets(
     normalisers,
     accumulation: int,
     metrics,
+    from_pass: bool = False,
 ) -> tuple[list[AsyncSample], list[ValueTarget]]:
     """Steps 1-2 (module docstring): the step's ``samples`` with per-token advantages, and each one's
     :class:`ValueTarget` for the value model's walk (step 4); the generation's ``value/*`` metrics logged
-    into ``metrics``. Samples of a proximal pass (``ppo_n_minibatches > 1``: their ``old_values``, returns
-    and advantages from the pass, :func:`pass_targets`) keep them: no walk here."""
-    if samples and all(s.old_values is not None for s in samples):
-        losses = [
-            ValueTarget(
-                s.positions,
-                s.old_values,
-                s.returns,
-                float(not isnan(s.reward)),
-                normalisers[s.batch] * accumulation,
-            )
-            for s in samples
-        ]
-        return list(samples), losses
-    values = critic.values(sequences, [s.positions for s in samples])
-    targets = critic.targets(values, [s.reward for s in samples])
-    for name, value in targets.metrics.items():
-        metrics[name].append(value)
-    advantaged = [s._replace(advantage=a) for s, a in zip(samples, targets.advantages, strict=True)]
+    into ``metrics``. ``from_pass``: the samples carry a proximal pass's old values, returns and advantages
+    (``ppo_n_minibatches > 1``, :func:`with_targets` at the pass) and keep them: no walk here. Every rank
+    passes the same ``from_pass`` (steps 1-2 have collectives)."""
+    if not from_pass:
+        samples = with_targets(critic, samples, sequences, metrics)
     losses = [
-        ValueTarget(s.positions, v, r, float(scored), normalisers[s.batch] * accumulation)
-        for s, v, r, scored in zip(samples, values, targets.returns, targets.scored, strict=True)
+        ValueTarget(
+            s.positions,
+            s.old_values,
+            s.returns,
+            float(not isnan(s.reward)),
+            normalisers[s.batch] * accumulation,
+        )
+        for s in samples
     ]
-    return advantaged, losses
+    return list(samples), losses
 
 
-def pass_targets(critic: ValueModel, samples: Sequence[AsyncSample], sequences: Sequence, metrics) -> list:
-    """Steps 1-2 for a proximal pass's ``samples`` (k steps'): per sample, its values (the old values of its
-    value clip), returns and per-token advantages; the ``value/*`` metrics of the pass logged into
-    ``metrics``."""
+def with_targets(
+    critic: ValueModel, samples: Sequence[AsyncSample], sequences: Sequence, metrics
+) -> list[AsyncSample]:
+    """Steps 1-2 for ``samples`` (a step's, or a proximal pass's): each with its values (``old_values``: the
+    value clip's), GAE's ``returns`` and its per-token ``advantage``, whitened over them on every rank (a
+    sample with a NaN reward gets zeros); the ``value/*`` metrics logged into ``metrics``."""
     values = critic.values(sequences, [s.positions for s in samples])
     targets = critic.targets(values, [s.reward for s in samples])
     for name, value in targets.metrics.items():
         metrics[name].append(value)
-    return list(zip(values, targets.returns, targets.advantages, strict=True))
+    return [
+        s._replace(old_values=v, returns=r, advantage=a)
+        for s, v, r, a in zip(samples, values, targets.returns, targets.advantages, strict=True)
+    ]
