@@ -17,8 +17,9 @@ dense path is recorded that slow (its forward taken as a third of its micro-batc
 walked (``tree/dense_trials_cut``). An exploration of the dense path then costs one forward at most where
 the dense path is far slower than predicted (TRL's own GRPO tests with tools: 50x).
 
-Each trainer says whether its current step is on the dense path (``_dense_step_running``) and how its step
-state turns to walking the step from its first micro-batch at the current one (``_walk_step_instead``).
+Each trainer keeps its current step in ``_schedule`` (a :class:`~trl_dta.train.step_schedule.StepSchedule`):
+whether the step is on the dense path, and how it turns to walking the step from its first micro-batch at
+the current one (:meth:`~trl_dta.train.step_schedule.StepSchedule.walk_instead`), are the schedule's.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ class DenseTrialTooSlow(Exception):
 
 
 class RetriesDenseSteps:
-    """For ``class Trainer(RetriesDenseSteps, ..., TRLTrainer)`` with a ``_walker`` (module docstring)."""
+    """For ``class Trainer(RetriesDenseSteps, ..., TRLTrainer)`` with a ``_walker`` and a ``_schedule``
+    (module docstring)."""
+
+    _schedule = None  # the trainer's current StepSchedule
 
     _tree_prepared = None  # (the current training micro-batch as the Trainer gave it, and prepared)
     _tree_retrying = False
@@ -90,8 +94,10 @@ class RetriesDenseSteps:
         finally:
             self._tree_retrying = False
 
-    def _dense_step_running(self) -> bool:  # pragma: no cover - each trainer's
-        raise NotImplementedError
+    def _dense_step_running(self) -> bool:
+        return self._schedule is not None and bool(self._schedule.dense)
 
-    def _walk_step_instead(self, model) -> None:  # pragma: no cover - each trainer's
-        raise NotImplementedError
+    def _walk_step_instead(self, model) -> None:
+        """The step's dense path failed at this micro-batch: the step's micro-batches are walked from its
+        first, and this one and the later ones served from the walk."""
+        self._schedule.walk_instead()

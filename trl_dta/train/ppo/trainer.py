@@ -277,14 +277,6 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelCheckpoints, GRPOTr
             shapes=shapes,
         )
 
-    def _dense_step_running(self) -> bool:
-        return self._schedule is not None and bool(self._schedule.dense)
-
-    def _walk_step_instead(self, model) -> None:
-        """The step's dense path failed at this micro-batch (:class:`RetriesDenseSteps`): the step's
-        micro-batches are walked from its first, and this one and the later ones served from the walk."""
-        self._schedule.walk_instead()
-
     def _padding_scale(self, inputs) -> float:
         """What TRL's loss of a re-partitioned micro-batch is multiplied by to keep the global objective: a
         row-normalised loss divides by the micro-batch's rows, its zero-weight padding rows counted, where the

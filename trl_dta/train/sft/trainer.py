@@ -178,14 +178,6 @@ class TreeSFTTrainer(RetriesDenseSteps, SFTTrainer):
             shapes=[tuple(b["input_ids"].shape) for b in schedule.batches],
         )
 
-    def _dense_step_running(self) -> bool:
-        return self._schedule is not None and bool(self._schedule.dense)
-
-    def _walk_step_instead(self, model) -> None:
-        """The step's dense path failed at this micro-batch (:class:`RetriesDenseSteps`): it is served again,
-        from the walk of every micro-batch of the step."""
-        self._schedule.walk_instead()
-
     def _scales(self, batches, num_items) -> tuple[list[float], int]:
         """Per micro-batch, the factor of a summed token loss in TRL's loss value; and what the Trainer
         divides the loss by for the gradient (the accumulation steps, unless the loss is normalised by
