@@ -42,6 +42,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..step_results import StepSequence
+
 
 class AsyncSample(NamedTuple):
     """One rollout sample of a step, as the walk sees it."""
@@ -60,11 +62,21 @@ class AsyncSample(NamedTuple):
     old_values: torch.Tensor | None = None  # with a value model: its values then (the value clip's)
     returns: torch.Tensor | None = None  # with a value model: GAE's returns then (its advantages: advantage)
 
+    def sequence(self) -> StepSequence:
+        """The sample as a sequence of its step's walk."""
+        return StepSequence(self.tokens, self.batch, self.score_from)
+
 
 def tokens_per_rank(inputs: dict, world_size: int = 1) -> float:
     """TRL's normaliser of a micro-batch: its trained tokens over all ranks (``counts[:, 0]``, written by the
     collator) divided by the world size, at least 1."""
     return max(float(inputs["counts"][0, 0]) / world_size, 1.0)
+
+
+def step_samples(batches) -> list[AsyncSample]:
+    """The samples of a step's micro-batches ``batches`` (:func:`micro_batch_samples`), each with its
+    micro-batch's index."""
+    return [s for b, inputs in enumerate(batches) for s in micro_batch_samples(inputs, b)]
 
 
 def micro_batch_samples(inputs: dict, batch: int = 0) -> list[AsyncSample]:

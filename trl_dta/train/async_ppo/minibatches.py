@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..step import StepSequence, StepWalker
-from .loss import micro_batch_samples
+from ..step import StepWalker
+from .loss import step_samples
 from .values import with_targets
 
 
@@ -68,8 +68,8 @@ def add_pass_fields(
     :class:`~trl_dta.train.critic.value_model.ValueModel`) old values, returns and per-token advantages
     (``[N, L]`` tensors aligned as ``old_log_probs``, named by ``PASS_FIELDS``). The walk's metrics are
     logged under ``proximal_tree/``."""
-    samples = [s for b, inputs in enumerate(batches) for s in micro_batch_samples(inputs, b)]
-    sequences = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
+    samples = step_samples(batches)
+    sequences = [s.sequence() for s in samples]
     with walker.step(model, sequences, training=False, metrics=metrics, prefix="proximal_tree/") as step:
         logps = step.logprobs(temperature)
     fields = {

@@ -54,7 +54,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset, 
 from ..critic.value_model import ValueModel, ValueModelCheckpoints
 from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments, rollout_length
-from ..step import StepSequence, StepWalker
+from ..step import StepWalker
 from ..step_clock import StepClockCallback
 from ..step_schedule import StepSchedule, checked, same_micro_batch
 from ..tree_args import PAPER
@@ -65,6 +65,7 @@ from .loss import (
     Decoupled,
     dense_loss,
     micro_batch_samples,
+    step_samples,
     tokens_per_rank,
 )
 from .metrics import MicroBatchWalk, dense_micro_batch, micro_batch_metrics
@@ -252,8 +253,8 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelCheckpoints, AsyncGRPOTra
         (both work on the step's walk)."""
         if self._critic is not None or getattr(self.args, "check_staleness_at_training", False):
             return False
-        samples = [s for b, x in enumerate(group) for s in micro_batch_samples(x, b)]
-        seqs = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
+        samples = step_samples(group)
+        seqs = [s.sequence() for s in samples]
         shapes = [tuple(b["input_ids"].shape) for b in group]  # (padded_logps: all rows, padded)
         dense = self._walker.prefer_dense(model, seqs, metrics=self._metrics["train"], shapes=shapes)
         if dense:  # (the staleness at training, logged as the walk logs it)
@@ -274,25 +275,17 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelCheckpoints, AsyncGRPOTra
         )
         return dense_micro_batch(model, inputs, samples, loss_fn, self.temperature)
 
-    def _dense_step_running(self) -> bool:
-        return self._schedule is not None and bool(self._schedule.dense)
-
-    def _walk_step_instead(self, model) -> None:
-        """The step's dense path failed at this micro-batch (RetriesDenseSteps): the step is walked, this
-        micro-batch and the later ones served from it."""
-        self._schedule.walk_instead()
-
     def _walk(self, model, batches: list[dict], training: bool) -> list[MicroBatchWalk]:
         """One trie of the samples of ``batches`` (micro-batches of a step), each sample with its
         micro-batch's share of TRL's loss: backward in training, scoring otherwise. Returns each micro-batch's
         share."""
-        samples = [s for b, inputs in enumerate(batches) for s in micro_batch_samples(inputs, b)]
+        samples = step_samples(batches)
         if training:
             samples = self._within_staleness(samples)
         world = self.accelerator.num_processes
         accumulation = self.current_gradient_accumulation_steps if training else 1
         normalisers = [tokens_per_rank(inputs, world) for inputs in batches]
-        sequences = [StepSequence(s.tokens, s.batch, s.score_from) for s in samples]
+        sequences = [s.sequence() for s in samples]
         metrics = self._metrics["train" if training else "eval"]
         targets = None
         if self._critic is not None:  # the current value model's values, GAE: per-token advantages
