@@ -48,11 +48,10 @@ _REPO = Path(__file__).resolve().parent.parent
 if (_REPO / "trl_dta").is_dir() and str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from recipe_utils.arguments import DOMAINS, model_cache_dir_field  # noqa: E402 (this folder is sys.path[0])
+from recipe_utils.arguments import DOMAINS, check_domain, model_cache_dir_field  # noqa: E402 (this folder is sys.path[0])
 from recipe_utils.offline_model import OFFLINE_SMOLLM2  # noqa: E402
 
 from trl_dta import TreeSFTConfig  # noqa: E402 (cheap: the trainer module loads on first use)
-from trl_dta.envs.tau2.domain import UNSUPPORTED_DOMAINS  # noqa: E402 (cheap: does not import tau2)
 
 logger = logging.getLogger("sft_tau2")
 
@@ -87,12 +86,7 @@ class ScriptArguments:
     model_cache_dir: str | None = model_cache_dir_field()
 
     def __post_init__(self):
-        if self.domain in UNSUPPORTED_DOMAINS:
-            raise ValueError(
-                f"The τ² domain {self.domain!r} is not supported: {UNSUPPORTED_DOMAINS[self.domain]}."
-            )
-        if self.synthetic_tasks and self.domain != "mock":
-            raise ValueError("--synthetic_tasks adds tasks to τ²'s mock domain: use it with --domain mock.")
+        check_domain(self.domain, self.synthetic_tasks)
 
 
 def make_parser() -> TrlParser:

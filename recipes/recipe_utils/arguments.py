@@ -1,7 +1,7 @@
 """The τ² RL recipes' own arguments (:class:`Tau2Arguments`: the domain, its tasks, the simulated user, the
 reward, evaluation, the value model; shared by ``recipes/ppo_tau2.py`` and ``recipes/ppo_tau2_async.py``)
-and their logging set-up (:func:`setup_logging`); ``--model_cache_dir`` for every τ² recipe
-(:func:`model_cache_dir_field`)."""
+and their logging set-up (:func:`setup_logging`); ``--model_cache_dir`` and the ``--domain``
+check for every τ² recipe (:func:`model_cache_dir_field`, :func:`check_domain`)."""
 
 from __future__ import annotations
 
@@ -144,20 +144,25 @@ class Tau2Arguments:
     model_cache_dir: str | None = model_cache_dir_field()
 
     def __post_init__(self):
-        # Also catches a value from a YAML file, which argparse's `choices` does not check.
-        if self.domain in UNSUPPORTED_DOMAINS:
-            reason = UNSUPPORTED_DOMAINS[self.domain]
-            raise ValueError(f"--domain {self.domain} is not supported: {reason}. Choose one of {DOMAINS}.")
-        if self.domain not in DOMAINS:
-            raise ValueError(f"Unknown --domain {self.domain!r}: choose one of {DOMAINS}.")
-        if self.synthetic_tasks and self.domain != "mock":
-            raise ValueError("--synthetic_tasks adds tasks to τ²'s mock domain: use it with --domain mock.")
+        check_domain(self.domain, self.synthetic_tasks)
         if bool(self.user_base_url) != bool(self.user_model):
             raise ValueError("An LLM user needs both --user_base_url and --user_model.")
         if not 0 <= self.tool_latency < float("inf"):
             raise ValueError(f"--tool_latency is seconds >= 0, got {self.tool_latency}.")
         if self.value_model and self.no_tree:
             raise ValueError("--value_model needs the tree trainer: TRL has no PPO trainer (drop --no_tree).")
+
+
+def check_domain(domain: str, synthetic_tasks: bool) -> None:
+    """Every τ² recipe's ``--domain`` (and ``--synthetic_tasks``, mock only). Also catches a value from a
+    YAML file, which argparse's ``choices`` does not check."""
+    if domain in UNSUPPORTED_DOMAINS:
+        reason = UNSUPPORTED_DOMAINS[domain]
+        raise ValueError(f"--domain {domain} is not supported: {reason}. Choose one of {DOMAINS}.")
+    if domain not in DOMAINS:
+        raise ValueError(f"Unknown --domain {domain!r}: choose one of {DOMAINS}.")
+    if synthetic_tasks and domain != "mock":
+        raise ValueError("--synthetic_tasks adds tasks to τ²'s mock domain: use it with --domain mock.")
 
 
 def setup_logging(training_args, recipe: str = "ppo_tau2") -> None:
