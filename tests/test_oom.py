@@ -36,8 +36,13 @@ from trl_dta.walk.errors import WalkOutOfMemoryError
 from trl_dta.walk.recovery import OOMRecovery
 
 BUDGETS = dict(block_size=4, batch_tokens=6)  # chunked backward (pops recompute) and small leaf batches
-SAME_PLAN = 1e-6  # the issue's bound: a retried walk against an uninjected one of the same budgets
-OTHER_PLAN = 1e-5  # against the starting budgets: a different plan, fp32 rounding (the fp32 parity bound)
+# A retried walk against an uninjected one of the same plan on the same inputs: the same fp32 operations in
+# the same order in one process, so bit for bit on any CPU (a retry that kept or doubled a failed pass's
+# gradients, or walked another plan, would not be).
+SAME_PLAN = 0.0
+# Against another plan (the starting budgets), or inputs computed another way: other orders of summation,
+# whose fp32 rounding differs by CPU (AVX2/AVX-512 kernels): the suite's fp32 parity bound.
+OTHER_PLAN = 1e-5
 
 
 def sequences(seed: int = 0) -> list[list[int]]:
@@ -86,6 +91,21 @@ def settings(executor) -> tuple:
 
 def layer0(model):
     return model.model.layers[0]
+
+
+def training_steps_walked(patch: pytest.MonkeyPatch) -> None:
+    """A trainer's training steps walk while its no-grad passes (the old log-probs of ``num_iterations=2``)
+    still ask ``tree_dense_fallback``: the reference for a step walked after its dense path failed, with the
+    same inputs. (A run with "never" walks its old log-probs too: their fp32 rounding differs from the dense
+    pass's by ~1e-7, which moves the step's gradients by ~1e-6, more on some CPUs: issue 63.)"""
+    from trl_dta.train.step import StepWalker
+
+    prefer_dense = StepWalker.prefer_dense
+
+    def prefer(self, *args, **kwargs):  # (timed=False: a no-grad pass's decision; else a training step's)
+        return not kwargs.get("timed", True) and prefer_dense(self, *args, **kwargs)
+
+    patch.setattr(StepWalker, "prefer_dense", prefer)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +172,8 @@ def test_an_oom_at_the_kth_call_gives_the_uninjected_gradients(model, case, star
     assert max_rel_diff(got, original) <= OTHER_PLAN
     model.zero_grad(set_to_none=True)
     assert loss == pytest.approx(
-        TreeExecutor(model, **BUDGETS).backward(trie, loss_fn, entropies=True), rel=1e-6
+        TreeExecutor(model, **BUDGETS).backward(trie, loss_fn, entropies=True),
+        rel=OTHER_PLAN,  # (a retry walks halved budgets)
     )
 
 
@@ -264,7 +285,8 @@ def test_trainer_step_with_an_oom_mid_walk_equals_the_uninjected_step(tmp_path, 
     assert trainer.state.log_history[0]["tree/oom_retries"] == 1.0
     assert settings(next(iter(trainer._walker.executors.values()))) == (8, 12, 256)  # kept for later steps
     assert max_rel_diff(got_grads, ref_grads) <= OTHER_PLAN
-    assert relative_error(got_params, ref_params) <= SAME_PLAN  # the run's parameters after one SGD step
+    # the run's parameters after one SGD step: lr x gradients OTHER_PLAN apart (a step taken twice: ~1e-2)
+    assert relative_error(got_params, ref_params) <= OTHER_PLAN
 
 
 def test_sft_step_with_an_oom_mid_walk_logs_what_the_uninjected_step_logs(tmp_path):
@@ -296,7 +318,7 @@ def test_sft_step_with_an_oom_mid_walk_logs_what_the_uninjected_step_logs(tmp_pa
             assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
     assert [h["tree/oom_retries"] for h in logs] == [1.0, 0.0]
     assert [h["tree/oom_retries"] for h in ref_logs] == [0.0, 0.0]
-    assert relative_error(params, ref_params) <= SAME_PLAN
+    assert relative_error(params, ref_params) <= OTHER_PLAN  # (the retry walks halved budgets: another plan)
 
 
 def test_a_walk_that_fails_otherwise_leaves_the_gradients_as_they_were(model):
@@ -336,10 +358,11 @@ def test_router_counts_are_recovered_too():
 
 # ---------------------------------------------------------------------- TRL's dense path (dense fallback)
 @pytest.mark.parametrize("at", [1, 2])  # the step's first micro-batch, or its second (the first's dropped)
-def test_a_dense_step_that_runs_out_of_memory_is_walked(tmp_path, model_dir, at):
+def test_a_dense_step_that_runs_out_of_memory_is_walked(tmp_path, model_dir, monkeypatch, at):
     """``tree_dense_fallback`` (here "always"): the dense forward of the first step's ``at``-th micro-batch
     runs out of memory; the step's gradients are dropped and the step is walked from its first micro-batch:
-    the gradients of a walked run's first step (the same walk), the second step dense again."""
+    bit for bit the gradients of the same run whose training steps walk from the start (the same walk on
+    the same inputs), the second step dense again."""
     tree_cls = type("TreeScripted", (ScriptedGenerationMixin, TreePPOTrainer), {})
 
     def run(name, mode, at):
@@ -354,12 +377,16 @@ def test_a_dense_step_that_runs_out_of_memory_is_walked(tmp_path, model_dir, at)
         logs = [h for h in trainer.state.log_history if "tree/path" in h]
         return trainer, recorder.grads, logs, oom
 
-    _, walked, _, _ = run("walked", "never", None)
+    with monkeypatch.context() as patch:
+        training_steps_walked(patch)
+        _, walked, _, _ = run("walked", "always", None)
+    _, never, _, _ = run("never", "never", None)
     _, dense, _, _ = run("dense", "always", None)
     trainer, got, logs, oom = run("injected", "always", at)
     assert oom.raised == 1 and trainer._walker.dense_oom_retries == 1
     assert [h.get("tree/dense_oom_retries", 0.0) for h in logs] == [1.0, 0.0]
-    assert max_rel_diff(got[0], walked[0]) <= SAME_PLAN  # the step walked
+    assert max_rel_diff(got[0], walked[0]) <= SAME_PLAN  # the step walked, as it is walked directly
+    assert max_rel_diff(got[0], never[0]) <= OTHER_PLAN  # (its old log-probs walked there: other rounding)
     assert max_rel_diff(got[1], dense[1]) <= OTHER_PLAN  # (its parameters: the walk's, within fp32 rounding)
 
 
@@ -423,7 +450,9 @@ def test_a_first_try_of_the_dense_path_far_slower_than_the_walk_is_cut_short(
         trainer.train()
         return trainer, recorder.grads
 
-    _, walked = run("walked", "never")
+    with monkeypatch.context() as patch:
+        training_steps_walked(patch)
+        _, walked = run("walked", "always")
     monkeypatch.setattr(StepWalker, "dense_trial_too_slow", too_slow)
     monkeypatch.setattr(StepWalker, "prefer_dense", forced_try(StepWalker.prefer_dense))
     trainer, got = run("cut", "always")
