@@ -6,6 +6,8 @@ accelerate):
 * ``memory.py``: a meter of the tensors autograd saves;
 * ``architectures.py``: a tiny random model of every causal-LM architecture of transformers;
 * ``exactness.py``: the walk's log-probs and gradients against such a model's own dense forward/backward;
+* ``flash_parity.py``: the flash path's bf16 exactness at a real shape (the GPU suite's first step; on a CPU
+  with ``varlen.py``'s stand-in kernel);
 * ``cpu_distributed.py``: a test device that makes accelerate prepare DeepSpeed and FSDP2 on CPU processes;
 * ``torchrun.py``: launching a test's multi-process workers, and ending them without an abort at exit.
 

@@ -36,7 +36,10 @@ def _check(query, key, cu_seq_q, cu_seq_k, max_q, max_k, window_size) -> None:
 
 
 def _attend(q, k, v, scale, causal):
-    """One run: q [n, H, D], k/v [m, Hkv, D] -> [n, H, D], causal aligned bottom-right."""
+    """One run: q [n, H, D], k/v [m, Hkv, D] -> [n, H, D], causal aligned bottom-right; in bf16/fp16 with
+    float32 accumulation and the output rounded once, as the flash kernel computes (float32/64 as given)."""
+    dtype = q.dtype
+    q, k, v = (t.to(torch.promote_types(dtype, torch.float32)) for t in (q, k, v))
     groups = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
     scores = torch.einsum("nhd,mhd->hnm", q, k) * scale
@@ -44,7 +47,7 @@ def _attend(q, k, v, scale, causal):
         n, m = q.shape[0], k.shape[0]
         visible = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
         scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), v)
+    return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), v).to(dtype)
 
 
 def reference_varlen_attn(

@@ -77,9 +77,24 @@ def _parameters(kernel) -> frozenset:
 
 def _flash(q, k, v, layout, scale: float, kernel=None) -> torch.Tensor:
     kernel = kernel or varlen_attn
+    _check_covered(q, k, v, layout)
     kwargs = _flash_kwargs(q.shape[1] != k.shape[1], kernel)
     max_q, max_k = max(layout.q_lens), max(layout.k_lens)
     return kernel(q, k, v, layout.q_cu, layout.k_cu, max_q, max_k, scale=scale, **kwargs)
+
+
+def _check_covered(q, k, v, layout) -> None:
+    """Refuse a call whose ``q``, ``k`` or ``v`` is not exactly as long as its last cumulative length: torch's
+    varlen backward returns NaN without an error where a tensor is longer (pytorch issue 176793, no check up
+    to torch 2.13), and reads past a shorter one. The lengths are the layout's host ones (no device sync).
+    The walk's calls meet it by construction: the attention function checks the call's keys against
+    ``start + tokens`` and a lone segment's keys are that view of the path buffer, whatever its capacity."""
+    queries, keys = layout.tokens, sum(layout.k_lens)
+    if q.shape[0] != queries or k.shape[0] != keys or v.shape[0] != keys:
+        raise RuntimeError(
+            f"internal: the flash kernel would get {q.shape[0]} queries and {k.shape[0]}/{v.shape[0]} keys/"
+            f"values for runs of {queries} and {keys} (its backward returns NaN where a tensor is longer)"
+        )
 
 
 def usable(q, k, dtype, scale: float) -> bool:

@@ -1,0 +1,97 @@
+"""The flash path's bf16 parity item (trl_dta/testing/flash_parity.py, the GPU suite's first step) on a CPU
+with the stand-in kernel: it passes, and it fails with a kernel that aligns causal masking top-left or with
+a flash path that drops the gather's recompute. And no call hands torch's varlen kernel a tensor longer than
+its last cumulative length (its backward returns NaN then, without an error: pytorch issue 176793)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from trl_dta import PrefixTrie, TreeExecutor
+from trl_dta.testing import flash_parity
+from trl_dta.testing.varlen import flash_on_cpu, reference_varlen_attn
+from trl_dta.walk import flash
+from trl_dta.walk.segment_layout import SegmentLayout
+
+SCALE = 0.0625  # (the scenarios' lengths: 32-100 tokens a sequence on the tiny model)
+
+
+def run(kernel=None) -> dict:
+    torch.manual_seed(0)
+    return flash_parity.run(flash_parity.TINY, "cpu", SCALE, long_tokens=64, kernel=kernel)
+
+
+def test_the_bf16_parity_item_passes_with_the_stand_in_kernel():
+    report = run()
+    assert report["ok"], "\n".join(flash_parity.lines(report))
+    assert report["missing_kinds"] == [] and all(report["calls"][k] > 0 for k in flash_parity.KINDS)
+    for scenario in report["scenarios"]:
+        errors = scenario["errors"]
+        assert scenario["flash_calls"] > 0
+        assert 0 < errors["flash"] <= scenario["bound"]  # (bf16: never exact, never far)
+        assert errors["sdpa"] < 0.05 and errors["dense"] < 0.05
+    assert report["scenarios"][1]["recomputed_tokens"] > 0  # (τ²: the chunked backward recomputes pops)
+
+
+@pytest.mark.parametrize("name", ["top-left", "no-recompute"])
+def test_the_bf16_parity_item_fails_with_a_broken_flash_path(name):
+    with flash_parity.mutation(name) as kernel:
+        report = run(kernel)
+    assert not report["ok"]
+    for scenario in report["scenarios"]:  # (every scenario has segments on a past and packed calls)
+        assert scenario["errors"]["flash"] > 3 * scenario["bound"], scenario
+        assert scenario["errors"]["sdpa"] <= scenario["bound"]  # (the sdpa path is untouched)
+    if name == "no-recompute":
+        assert report["missing_kinds"] == ["recompute"]
+    else:
+        assert report["loose_kinds"]  # (each call's output against the fp32 kernel, too)
+
+
+# ---------------------------------------------------------------------- pytorch issue 176793
+@pytest.mark.parametrize("longer", ["q", "k", "v"])
+def test_a_call_with_a_tensor_longer_than_its_runs_is_refused_before_the_kernel(longer):
+    layout = SegmentLayout.build([5, 3], (-1, -1), 4, "cpu")
+    q, k, v = (
+        torch.randn(8, 4, 16),
+        torch.randn(sum(layout.k_lens), 2, 16),
+        torch.randn(sum(layout.k_lens), 2, 16),
+    )
+    tensors = {"q": q, "k": k, "v": v}
+    tensors[longer] = torch.cat([tensors[longer], tensors[longer][:1]])
+    called = []
+    with pytest.raises(RuntimeError, match="NaN"):
+        flash._flash(*tensors.values(), layout, 0.25, kernel=lambda *a, **kw: called.append(1))
+    assert not called
+    lone = SegmentLayout.build([6], (-1,), 4, "cpu")  # a lone segment: the path's keys, read in place
+    buffer = torch.randn(16, 2, 16)  # (a path buffer with room to grow: only its view is passed)
+    with pytest.raises(RuntimeError, match="NaN"):
+        flash._flash(
+            torch.randn(6, 4, 16), buffer, buffer, lone, 0.25, kernel=lambda *a, **kw: called.append(1)
+        )
+    assert not called
+
+
+def test_every_call_of_a_walk_covers_its_tensors_exactly():
+    """A walk on the flash path (pushes on a past read in place from the path buffer, packed leaves, a chunked
+    backward): every call's q, k and v are exactly as long as their last cumulative lengths."""
+    from conftest import make_model
+
+    model = make_model("qwen3", dtype=torch.float32).train()
+    seen = []
+
+    @functools.wraps(reference_varlen_attn)
+    def kernel(query, key, value, cu_seq_q, cu_seq_k, *args, **kwargs):
+        seen.append((query.shape[0], key.shape[0], value.shape[0], int(cu_seq_q[-1]), int(cu_seq_k[-1])))
+        return reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, *args, **kwargs)
+
+    prompt = list(range(3, 40))  # (the tiny model's 61 ids)
+    seqs = [prompt + [40 + i] * (1 + i) for i in range(5)] + [prompt[:10] + list(range(30, 60))]
+    with flash_on_cpu(kernel):
+        TreeExecutor(model, block_size=8, batch_tokens=16).backward(
+            PrefixTrie.from_sequences(seqs), lambda i, lp, _: -lp.sum()
+        )
+    assert len(seen) > 10 and any(k > q for q, k, *_ in seen)  # (calls on a past among them)
+    assert all(q == cq and k == v == ck for q, k, v, cq, ck in seen)
