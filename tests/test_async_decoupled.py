@@ -183,7 +183,8 @@ def test_decoupled_train_steps_with_a_lora_policy_equal_dense_sgd(model_dir, tmp
     assert relative_error(update, expected) <= 1e-4
     assert max(u.abs().max() for u in update.values()) > 1e-4  # it trained
     # the base does not train; TRL's full-weight sync (taken with no LoRA-enabled server: here) merges the
-    # adapter into it and unmerges it, which moves it by float rounding only
+    # adapter into it and unmerges it, which moves it by float rounding only: W + D - D elementwise, no sum,
+    # so a few ulps (6e-8) of the weights per sync on any CPU (seen 1.3e-7)
     assert frozen and relative_error({n: trained[n].detach() for n in frozen}, frozen) <= 1e-6
     step_logs = [log for log in trainer.state.log_history if "decoupled/imp_weight_mean" in log]
     assert len(step_logs) == steps and all(0 < log["decoupled/capped_ratio"] < 1 for log in step_logs)

@@ -121,4 +121,4 @@ def test_ranks_metrics_equal_one_process(decoupled, split):
     expected = metrics(decoupled)
     assert out.keys() == expected.keys()
     for name, value in expected.items():
-        assert out[name] == pytest.approx(value, rel=1e-12, nan_ok=True), name
+        assert out[name] == pytest.approx(value, rel=1e-12, nan_ok=True), name  # (sums in float64)

@@ -75,6 +75,7 @@ def test_a_walk_on_its_own_flushes_once_and_a_second_before_the_step_is_refused(
     assert len(engine.flushes) == 1 and not engine.open
     flushed = engine.flushes[0]
     assert flushed.keys() == {n for n, p in model.named_parameters() if p.requires_grad}
+    # (the same walk of the same trie: the same arithmetic, HF's float32 casts included)
     assert max_rel_diff(flushed, {n: p.grad for n, p in plain.named_parameters()}) <= 1e-12
     with pytest.raises(RuntimeError, match="second DeepSpeed gradient reduction before engine.step"):
         executor.backward(PrefixTrie.from_sequences(SEQS), loss)
@@ -92,8 +93,9 @@ def test_walks_inside_a_step_reduction_share_its_one_flush(engine):
     assert len(engine.flushes) == 1
     plain = make_model("qwen3", dtype=torch.float64).train()
     TreeExecutor(plain).backward(PrefixTrie.from_sequences(SEQS), loss)
-    # (two tries against one: HF's float32 casts in RMSNorm round differently, ~1e-7 in float64)
-    assert max_rel_diff(engine.flushes[0], {n: p.grad for n, p in plain.named_parameters()}) <= 1e-6
+    # (two tries against one: HF's float32 casts in RMSNorm round differently, ~2e-7 here; the fp32 parity
+    # bound, as their rounding may differ on another CPU; a lost or doubled walk is off by O(1))
+    assert max_rel_diff(engine.flushes[0], {n: p.grad for n, p in plain.named_parameters()}) <= 1e-5
 
 
 def test_unused_parameters_get_zero_gradients_so_every_rank_reduces_the_same_tensors(engine):

@@ -32,7 +32,9 @@ needs_state_api = pytest.mark.skipif(
     not HAS_STATE_API, reason=f"carried states need transformers >= {STATE_API_VERSION}"
 )
 
-LOGP_TOL, GRAD_TOL = 1e-6, 1e-5  # relative; a few .float() casts remain (decay gates, Mamba2's logits)
+# relative; a few .float() casts remain (decay gates, Mamba2's logits: log-probs ~1e-7 apart here), whose
+# rounding walk and dense do in other orders: fp32's parity bound for both
+LOGP_TOL, GRAD_TOL = 1e-5, 1e-5
 
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48)
 _GDN = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -262,7 +264,8 @@ def test_moe_aux_loss_with_one_token_nodes(block_size):
     loss_fn = loss_fn_for(seqs, use_entropy=True)
     ref, ref_aux = dense(model, seqs, loss_fn)
     got, got_aux = tree(TreeExecutor(model, block_size=block_size, batch_tokens=0), model, seqs, loss_fn)
-    assert got_aux == pytest.approx(ref_aux, rel=1e-6)
+    # (router probabilities summed in float32 in another order, as in test_router_loss.py: fp32's bound)
+    assert got_aux == pytest.approx(ref_aux, rel=1e-5)
     assert max_rel_diff(got, ref) <= GRAD_TOL
 
 

@@ -68,8 +68,9 @@ def walk_grads(executor, model, seqs, fn=loss_fn, **kwargs):
     [
         (lambda: tiny_opt(), r"layers\.0\.dropout = 0\.1", TIGHT),  # functional dropout(p=config.dropout)
         (lambda: tiny_opt(dropout=0.0, layerdrop=0.3), r"layerdrop = 0\.3", TIGHT),
-        # (Mixtral's RMSNorm computes in float32 even in a float64 model)
-        (lambda: tiny_mixtral(router_jitter_noise=0.5), r"jitter_noise = 0\.5", 1e-6),
+        # (Mixtral's RMSNorm computes in float32 even in a float64 model: walk and dense round differently,
+        # ~1e-7 here, so fp32's parity bound; the jitter left on is off by far more)
+        (lambda: tiny_mixtral(router_jitter_noise=0.5), r"jitter_noise = 0\.5", 1e-5),
     ],
     ids=["opt dropout", "opt layerdrop", "mixtral router jitter"],
 )

@@ -361,4 +361,4 @@ def test_evaluation_is_trl_dense_loss(tmp_path):
         trainer = cls(model=tiny_model(), args=config, train_dataset=tool_conversations(4),
                       eval_dataset=tool_conversations(2), processing_class=tiny_tokenizer())  # fmt: skip
         losses.append(trainer.evaluate()["eval_loss"])
-    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert losses[1] == losses[0]  # TRL's compute_loss, the same batches and weights: the same arithmetic

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate import Accelerator
+from conftest import max_rel_diff
 
 from trl_dta.compare import relative_error
 from trl_dta.testing.grpo import tiny_model
@@ -43,14 +44,18 @@ def loss_fn(seqs, behaviour):
     return loss
 
 
+def dense_logps(model, s: StepSequence) -> torch.Tensor:
+    ids = torch.tensor(s.tokens)[None]
+    lsm = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+    return lsm.gather(-1, ids[0, 1:, None])[s.score_from :, 0]
+
+
 def dense(model, seqs, behaviour):
     """Per-sequence dense forwards: the gradients and each sequence's log-probs from score_from on."""
     model.zero_grad(set_to_none=True)
     fn, logps = loss_fn(seqs, behaviour), []
     for k, s in enumerate(seqs):
-        ids = torch.tensor(s.tokens)[None]
-        lsm = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
-        lp = lsm.gather(-1, ids[0, 1:, None])[s.score_from :, 0]
+        lp = dense_logps(model, s)
         fn(k, lp, None).backward()
         logps.append(lp.detach())
     return {n: p.grad.clone() for n, p in model.named_parameters()}, logps
@@ -61,7 +66,8 @@ def setup():
     model = tiny_model().train()
     seqs = sequences()
     torch.manual_seed(1)
-    behaviour = [-3 - torch.rand(len(s.tokens) - 1 - s.score_from) for s in seqs]
+    with torch.no_grad():  # 0.2 off the policy's: ratios on both sides of the clip, so gradients not all 0
+        behaviour = [lp + 0.2 * torch.randn_like(lp) for lp in (dense_logps(model, s) for s in seqs)]
     return model, seqs, behaviour
 
 
@@ -78,7 +84,7 @@ def test_a_third_trainer_drives_the_seam(setup):
     ref_grads, ref_logps = dense(model, seqs, behaviour)
     metrics = defaultdict(list)
     step, grads = walk(model, seqs, behaviour, metrics)
-    assert relative_error(grads, ref_grads) <= 1e-5
+    assert max_rel_diff(grads, ref_grads) <= 1e-5
     assert relative_error(step.results.logps, ref_logps) <= 1e-5
     assert all(
         e is not None and e.shape == lp.shape for e, lp in zip(step.results.entropies, ref_logps, strict=True)
@@ -111,9 +117,10 @@ def test_a_retried_walk_keeps_one_result_per_sequence(setup):
     assert oom.raised == 1 and len(calls) > len(seqs)  # some sequences were scored twice
     assert metrics["tree/oom_retries"] == [1.0]
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    assert relative_error(grads, ref_grads) <= 1e-5
+    assert max_rel_diff(grads, ref_grads) <= 1e-5
+    # (the retry walks in smaller blocks: other fp32 sums than the first walk's, so fp32's parity bound)
     assert step.results.total(range(len(seqs))) == pytest.approx(
-        ref.results.total(range(len(seqs))), rel=1e-6
+        ref.results.total(range(len(seqs))), rel=1e-5
     )
 
 
