@@ -20,6 +20,7 @@ import torch
 from accelerate import Accelerator
 
 from trl_dta import PrefixTrie
+from trl_dta.compare import relative_error
 from trl_dta.testing.grpo import tiny_model
 from trl_dta.train.dense_fallback import checked_mode, decide, dense_terms
 from trl_dta.train.step import StepSequence, StepWalker
@@ -632,4 +633,6 @@ def test_a_dense_path_far_slower_than_its_prediction_costs_one_forward(tmp_path)
     assert logs[2]["tree/path_reason"] == 1.0  # (both measured: the dense path's scaled prediction slower)
     assert logs[2]["tree/predicted_dense_s"] > 2 * logs[2]["tree/predicted_s"]
     _, walked = run("never")
-    assert all(torch.equal(params[n], walked[n]) for n in walked)
+    # (walked on both runs, but each step's plan follows cost constants fitted to measured timings: the same
+    # plan, and so bit-equal weights, is not promised on every machine; the fp32 parity bound is)
+    assert relative_error(params, walked) <= 1e-5
