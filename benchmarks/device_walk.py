@@ -14,12 +14,17 @@ segment: the kernel's fallback), ``mask`` (the model's own sdpa with the packed 
 walk before attention per segment, and what models the walk's function cannot run get) and
 ``flex_attention`` (a block-sparse ``BlockMask``, compiled).
 
-First, on CUDA, the flex path's exactness: fp32 gradients of random tries against the model's own dense
-ones (<= 1e-5, or the script fails; ``--parity_only`` stops there).
+``--sides`` picks the paths (default: segments, segments_sdpa and mask on CUDA; flex runs apart, last in the
+GPU suite, under its own limit: its first call compiles, and on 2026-12-04 it hit dynamo's recompile limit).
+The JSON (``--name``.json in ``--out``) is written after each side: a cut keeps the sides that ran.
+``--flex_parity``: first, the flex path's exactness: fp32 gradients of random tries against the model's own
+dense ones (<= 1e-5, or the script fails; ``--parity_only`` stops there).
 
     python benchmarks/device_walk.py [--scale 0.125] [--layers 28] [--repeats 3] [--out OUT_DIR]
+    python benchmarks/device_walk.py --sides flex_attention --flex_parity --name device_walk_flex --out OUT
 
-On CPU (``--device cpu``, a smoke run) only ``segments`` runs (flex has no backward there).
+On CPU (``--device cpu``, a smoke run; ``--dims tiny``: a small model, bf16 matmuls being slow on a CPU) only
+``segments`` runs (flex has no backward there).
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ from trl_dta.walk.plan import Push  # noqa: E402
 
 QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
                   head_dim=128, vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
+# (a small model for a CPU's smoke run; the full vocabulary: the shapes draw token ids from it)
+TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=151936, tie_word_embeddings=True)  # fmt: skip
+DIMS = {"qwen3-1.7b": QWEN3_1_7B, "tiny": TINY}
+CUDA_SIDES = "segments,segments_sdpa,mask"
 
 
 def walk_path(executor, path: str):
@@ -62,7 +72,7 @@ def sync(device):
 
 
 def build(args, attn: str, device):
-    config = Qwen3Config(**QWEN3_1_7B, num_hidden_layers=args.layers, attn_implementation=attn)
+    config = Qwen3Config(**DIMS[args.dims], num_hidden_layers=args.layers, attn_implementation=attn)
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs
         return Qwen3ForCausalLM(config).to(torch.bfloat16).train()
@@ -159,9 +169,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="")
     parser.add_argument("--parity_only", action="store_true")
+    parser.add_argument("--flex_parity", action="store_true", help="first, flex's fp32 exactness (CUDA)")
+    parser.add_argument(
+        "--sides", help=f"comma-separated paths (default: {CUDA_SIDES} on CUDA, segments else)"
+    )
+    parser.add_argument("--dims", default="qwen3-1.7b", choices=list(DIMS))
+    parser.add_argument("--name", default="device_walk", help="the JSON's file name in --out, without .json")
     args = parser.parse_args()
     device = torch.device(args.device)
-    if device.type == "cuda":
+    if device.type == "cuda" and (args.flex_parity or args.parity_only):
         error = parity(device)
         if args.out:
             Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -171,7 +187,7 @@ def main() -> None:
         if args.parity_only:
             return
     workload = next(
-        w for w in shapes_for("gpu", QWEN3_1_7B["vocab_size"], args.scale) if w.name == "tau2-2x8-10k"
+        w for w in shapes_for("gpu", DIMS[args.dims]["vocab_size"], args.scale) if w.name == "tau2-2x8-10k"
     )
     seqs, froms = [], []
     for prompt, completions in workload.groups:
@@ -180,13 +196,18 @@ def main() -> None:
             froms.append(len(prompt) - 1)
     trie = PrefixTrie.from_sequences(seqs)
     # (path, attention implementation): the default first, the others compared with it
-    sides = [("segments", "sdpa")]
-    if device.type == "cuda":
-        sides += [("segments_sdpa", "sdpa"), ("mask", "sdpa"), ("flex_attention", "flex_attention")]
+    names = (args.sides or (CUDA_SIDES if device.type == "cuda" else "segments")).split(",")
+    sides = [(name, "flex_attention" if name == "flex_attention" else "sdpa") for name in names]
     report = {"shape": workload.name, "scale": args.scale, "layers": args.layers, "rows": len(seqs),
               "tokens": trie.num_tokens, "unique_tokens": trie.num_unique_tokens,
               "dedup_ratio": trie.dedup_ratio, "kernels": {}}  # fmt: skip
     grads = {}
+
+    def write() -> None:  # (after each side: a cut keeps what ran)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / f"{args.name}.json").write_text(json.dumps(report, indent=1, default=float))
+
     for path, attn in sides:
         model = build(args, attn, device)
         executor = TreeExecutor(model)  # memory_budget="auto"
@@ -213,7 +234,7 @@ def main() -> None:
                     dense_time(model, seqs, froms, args.micro_batches, device) for _ in range(args.repeats)
                 ]
             else:  # (the same model and rows as the default path's: its dense time)
-                dense = [report["kernels"]["segments"]["dense_s"]]
+                dense = [report["kernels"].get("segments", {}).get("dense_s", float("nan"))]
             row = {"budgets": executor.budgets.metrics(),
                    "calls": {"forward": executor.calls.forward - before[0],
                              "backward": executor.calls.backward - before[1]},
@@ -229,17 +250,14 @@ def main() -> None:
             if device.type == "cuda" and path in ("segments", "flex_attention"):  # host syncs in a walk
                 row["syncs"] = count_syncs(executor, model, trie, froms)
                 print(f"[{path}] host syncs per walk (set_sync_debug_mode): {row['syncs']}", flush=True)
+        if path != "segments" and "segments" in grads:
+            err = max(relative_error(grads[path][n], g) for n, g in grads["segments"].items())
+            report[f"{path}_vs_segments_grad_error"] = err
+            print(f"{path} vs segments gradients (bf16, same weights): max relative error {err:.2e}")
+        write()
         del model, executor
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    for other in grads:
-        if other != "segments":
-            err = max(relative_error(grads[other][n], g) for n, g in grads["segments"].items())
-            report[f"{other}_vs_segments_grad_error"] = err
-            print(f"{other} vs segments gradients (bf16, same weights): max relative error {err:.2e}")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "device_walk.json").write_text(json.dumps(report, indent=1, default=float))
 
 
 if __name__ == "__main__":

@@ -1,62 +1,61 @@
 #!/usr/bin/env bash
-# The GPU suite. Its first lines are the decisive table: the walk against PrefixGrouper and dense + gradient
-# checkpointing on three configurations, each (configuration, method) in its own process, so an out-of-memory
-# error is one row that says OOM and never reaches the next. Then fp32 gradient parity, a profile of one walk and
-# one dense step, and the older steps while the deadline allows; everything lands in OUT_DIR, tarred into one file.
+# The GPU suite: one command that settles on a lent card whether the walk is exact and fast there. Steps run by
+# priority, each in its own process under its own limit; every step is a row of the summary (ok, failed, a
+# timeout, skipped for the deadline), and what is written reaches $OUT as soon as it is written, so a cut loses
+# only the step it cut.
 #
 # The device command (one lent GPU, one call of at most 10 minutes; carry [".whl"]; .whl/ holds the
 # prefix-grouper wheel: `pip download --no-deps prefix-grouper==0.0.1.post1 -d .whl`):
 #
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && bash benchmarks/gpu.sh /tmp/gpu-suite
 #
-# It leaves /tmp/gpu-suite/, /tmp/gpu-suite.tgz beside it and, since the device tool sets $OUT (which returns at
-# most 8 files), copies into $OUT the tarball, gpu_table.md and gpu_sh.log. Other forms:
+# Other forms:
 #
 #   bash benchmarks/gpu.sh [OUT_DIR]            # a CUDA machine (default OUT_DIR: benchmarks/out/gpu)
 #   bash benchmarks/gpu.sh --dry-run [OUT_DIR]  # any machine: the same steps on the CPU at toy sizes (~6 min)
 #   PYTHON=.venv-gpu/bin/python bash benchmarks/gpu.sh --dry-run /tmp/gpu-dry   # in the GPU machine's packages
+#   DEADLINE_S=120 bash benchmarks/gpu.sh --dry-run /tmp/gpu-cut                 # cut short: steps skipped
 #
-# Written for the project's CUDA machine: one H200, torch 2.11 + CUDA 13, transformers 5.17, accelerate 1.15, no
-# TRL, no datasets, no flash-attn, no internet. prefix-grouper comes from $WHEELS (default .whl/: a
-# prefix_grouper-*.whl, and a flash_attn-*.whl if one built for that torch is there; keep .whl/ out of git with
-# .git/info/exclude) unless it is importable already (the device command above installs it); trl_dta is used
-# from this checkout (PYTHONPATH), not installed. That machine's torch 2.11 is below the supported floor
-# (torch>=2.13, pyproject.toml): the suite runs there anyway and says so in env.txt.
-# Budget: the whole run fits one device command: each step gets at most what is left of DEADLINE_S (default 540
-# s, counted from the start) and is skipped, with a line saying so (and its name in OUT_DIR/skipped.txt), when
-# less than its minimum is left; steps run by priority, so a short loan loses the least needed.
+# Written for the project's CUDA machines: one H100 80 GB (the device tool's default kind) or one H200 141 GB,
+# torch 2.11 + CUDA 13, transformers 5.17, accelerate 1.15, no TRL, no datasets, no flash-attn, no internet.
+# prefix-grouper comes from $WHEELS (default .whl/; a flash_attn-*.whl there is installed too) unless it is
+# importable already; trl_dta is used from this checkout (PYTHONPATH), not installed. torch 2.11 is below the
+# supported floor (torch>=2.13, pyproject.toml): the suite runs anyway and env.txt says so.
 #
-# Steps, in order (GPU; the dry run runs the same on the CPU, smaller):
-#   1. the decisive table (`gpu_table.py`, at most TABLE_BUDGET=300 s): Qwen3-0.6B grpo-4k-g16, Qwen3-1.7B
-#      tau2-2x8-10k x1/8, Qwen3-0.6B tau2-2x8-10k; per configuration the walk (TreeExecutor's defaults),
-#      PrefixGrouper, dense + gradient checkpointing in micro-batches of 2 rows, TRL's per-segment packing where
-#      TRL imports (else "n/a (no TRL)"); bf16, sdpa, random weights; per row the median step (after a warm-up),
-#      its ratio to dense + ckpt, the process's CUDA peak beside the plan's estimate, the walk's share of its
-#      ideal (speedup / token dedup ratio); a row that cannot fit the budget says "skipped (deadline)". The dry
-#      run: the first configuration, the tiny model, lengths x1/32, plus an injected OOM row (`--inject_oom`);
-#   2. the plan: `peers.py --plan` (shapes, and every method's estimated peak against this card's memory);
-#      environment: versions, the GPU, `import trl_dta` without TRL;
-#   3. parity: `peers.py --parity` (fp32, TF32 off): every method's gradients against dense on tiny random
-#      tries, plus the executor's chunked-backward and unpacked-leaves paths; fails the script on a mismatch;
-#   4. profile (`gpu_profile.py`, ~1 min): one walk and one dense + ckpt step of Qwen3-0.6B on grpo-4k-g16 x1/4
-#      under torch.profiler: GPU busy vs idle, GPU time by kind, host time per decoder-layer call;
-#   5. the cost model fitted on this GPU (issue 41): `call_costs.py --device cuda`, then `cost_fit.py`;
-#   6. the device-sized walk: `device_walk.py` (flex attention's fp32 exactness, failing the script above 1e-5;
-#      then a Qwen3-1.7B-shaped walk on tau2-2x8-10k x1/8: its attention paths side by side: segments (the
-#      default: the flash kernel), segments through sdpa, the mask path and flex);
-#   7. FSDP2 smoke test: `fsdp2_smoke.py`, gather-once and per-layer (world size 1, fp32); fails the script on a
-#      mismatch;
-#   8. memory next to a colocated vLLM engine (issue 33): `vllm_memory.py`, on paper and the CUDA peaks;
-#   9. soak (optional): `soak.py --mode executor`, 200 walks with an injected out-of-memory retry;
-#  10. the GPU plan on paper: `launch_model.py` (CPU-side counts; any CPU runs it too), last;
-# then the decisive table again (the device tool returns only the tail of a command's output), the exit codes,
-# and the tarball.
-# Outputs (OUT_DIR): gpu_table.md, gpu_table.json, gpu_table_rows/, plan.txt, env.txt, install.log, parity.json,
-# parity.log, gpu_profile.md, gpu_profile.json, call_costs_cuda.json, cost_fit_cuda.json, cost_fit.log,
-# flex_parity.json, device_walk.json, device_walk.log, fsdp2_smoke*.json, fsdp2_smoke.log, vllm_memory_paper.json,
-# vllm_memory.json, vllm_memory.log, soak*, launch_model.json, launch_model.log, skipped.txt, gpu_sh.log; and
-# OUT_DIR.tgz beside OUT_DIR (or $TGZ).
-set -euo pipefail
+# Budget: DEADLINE_S (default 540 s on a GPU, 900 s in a dry run) counted from the start; a step gets at most
+# what is left and is skipped, as a row, when less than its minimum is left.
+#
+# Steps, in order (GPU; the dry run runs each on the CPU, smaller), and what a failure means:
+#   1. environment: versions, the card, `import trl_dta` without TRL                          (information)
+#   2. bf16 parity, first (`flash_parity.py`): Qwen3-0.6B's dims, 28 layers, a GRPO group, a τ² slice and
+#      one-query segments walked with torch's flash varlen kernel and with sdpa per segment, and run dense, on
+#      the same bf16 weights, each against an fp32 reference; the flash path within 1.5x the sdpa path's error
+#      + 2e-3, every kind of kernel call seen (packed, lone read in place, the checkpointed recompute, long,
+#      one-query, GQA), the kernel's own check passed (a failed check is a failure here)      (exactness)
+#   3. the decisive table (`gpu_table.py`, at most TABLE_BUDGET=300 s): Qwen3-0.6B grpo-4k-g16 (and the walk at
+#      a budget under half PrefixGrouper's peak), Qwen3-1.7B tau2 x1/8, Qwen3-0.6B full tau2; a process per
+#      (configuration, method); the targets stated per card                                  (the table)
+#   4. the plan: `peers.py --plan`, every method's estimated peak against this card          (information)
+#   5. fp32 parity (`peers.py --parity`, TF32 off): every method against dense on tiny tries (exactness)
+#   6. profile (`gpu_profile.py`): GPU busy vs idle, host time per decoder-layer call        (information)
+#   7. the cost model fitted on this GPU: `call_costs.py`, then `cost_fit.py`                (information)
+#   8. the device-sized walk (`device_walk.py`, Qwen3-1.7B shape, tau2 x1/8): segments (flash), segments
+#      through sdpa, the mask path; its JSON after each side                                 (information)
+#   9. FSDP2 smoke test (`fsdp2_smoke.py`, gather-once and per layer, fp32)                   (exactness)
+#  10. memory next to a colocated vLLM engine (`vllm_memory.py`)                              (information)
+#  11. soak (`soak.py`): 200 walks with an injected out-of-memory retry                       (information)
+#  12. the GPU plan on paper (`launch_model.py`)                                              (information)
+#  13. flex attention last, under its own limit (its first call compiles; it hit dynamo's recompile limit on
+#      2026-12-04): its fp32 exactness, then its walk beside the others (`device_walk.py`)    (exactness)
+# Exit: 0 when the decisive table is complete (its rows may be OOM, timeouts or skipped) and no exactness step
+# failed; 1 otherwise. A step's timeout is a row, never the script's exit code.
+# Outputs (OUT_DIR): summary.md (the steps, then the decisive table and the bf16 parity), gpu_table.md/.json,
+# gpu_table_rows/, flash_parity_bf16.json, env.txt, plan.txt, parity.json, gpu_profile.*, call_costs_cuda.json,
+# cost_fit_cuda.json, device_walk.json, device_walk_flex.json, flex_parity.json, fsdp2_smoke*.json,
+# vllm_memory*.json, soak*, launch_model.json, a log per step, steps.tsv, gpu_sh.log; OUT_DIR.tgz beside it
+# (or $TGZ). Where $OUT is set (the device tool), the tarball, summary.md, gpu_table.md, flash_parity_bf16.json
+# and gpu_sh.log are copied there after every step and every 20 s.
+set -uo pipefail  # (no -e: a failing step is a row, and the steps after it still run)
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 DRY=0
@@ -69,22 +68,63 @@ OUT_DIR="${OUT_DIR%/}"
 TGZ="${TGZ:-$OUT_DIR.tgz}"
 WHEELS="${WHEELS:-.whl}"
 PY="${PYTHON:-python3}"
-DEADLINE_S="${DEADLINE_S:-$([ $DRY = 1 ] && echo 3600 || echo 540)}"  # (a dry run on a CPU: an hour)
-TABLE_BUDGET="${TABLE_BUDGET:-$([ $DRY = 1 ] && echo 900 || echo 300)}"
-PARITY_TIMEOUT="${PARITY_TIMEOUT:-120}"
+DEADLINE_S="${DEADLINE_S:-$([ $DRY = 1 ] && echo 900 || echo 540)}"
+TABLE_BUDGET="${TABLE_BUDGET:-300}"
 STARTED=$SECONDS
 mkdir -p "$OUT_DIR"
 : > "$OUT_DIR/gpu_sh.log"
+: > "$OUT_DIR/steps.tsv"
 exec 4>&1 5>&2 > >(tee -a "$OUT_DIR/gpu_sh.log") 2>&1  # (4, 5: the console, for the end)
 TEE_PID=$!
-exec 3>&1  # (the script's stdout: a step's own lines go there, not through its pipeline's tail)
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if [ $DRY = 1 ]; then
     export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1  # (a shared CPU: the scripts without a --threads flag too)
 fi
 PEERS=benchmarks/peers.py
 
-# ---- offline installs (only what is missing) and the scripts' syntax, quietly: the table's lines come first
+# ---- what reaches $OUT, and when: after every step, and every 20 s from a background loop
+published() { [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ "$(cd "$OUT" && pwd)" != "$(cd "$OUT_DIR" && pwd)" ]; }
+summary() {  # the steps so far, then the decisive table and the bf16 parity's lines
+    echo "# GPU suite $([ $DRY = 1 ] && echo '(dry run) ')$(date -u +%FT%TZ), $((SECONDS - STARTED)) s"
+    echo
+    echo "| step | kind | status | s |"
+    echo "|---|---|---|---|"
+    awk -F'\t' '{printf "| %s | %s | %s | %s |\n", $1, $2, $3, $4}' "$OUT_DIR/steps.tsv"
+    echo
+    cat "$OUT_DIR/gpu_table.md" 2>/dev/null || echo "(no decisive table yet)"
+    if [ -f "$OUT_DIR/flash_parity.log" ]; then
+        echo
+        echo "## bf16 parity (flash_parity.py)"
+        grep -E "^(grpo|tau2|one-query|kernel calls|FAILED|bf16 parity)" "$OUT_DIR/flash_parity.log" | sed 's/^/    /'
+    fi
+}
+publish() {  # [final]: the tarball is made even where no $OUT is set
+    local new=".new$BASHPID"  # (the background loop and the script may publish at once)
+    summary > "$OUT_DIR/summary.md$new" 2>/dev/null && mv "$OUT_DIR/summary.md$new" "$OUT_DIR/summary.md"
+    published || [ "${1:-}" = final ] || return 0
+    tar -czf "$TGZ$new" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")" 2>/dev/null && mv "$TGZ$new" "$TGZ"
+    published || return 0
+    for f in "$TGZ" "$OUT_DIR/summary.md" "$OUT_DIR/gpu_table.md" "$OUT_DIR/flash_parity_bf16.json" \
+        "$OUT_DIR/gpu_sh.log"; do
+        [ -f "$f" ] && cp "$f" "$OUT/$(basename "$f")$new" && mv "$OUT/$(basename "$f")$new" "$OUT/$(basename "$f")"
+    done
+    return 0
+}
+( while sleep 20; do publish; done ) > /dev/null 2>&1 &
+PUBLISHER=$!
+CURRENT=""  # the running step's process (its timeout)
+on_signal() {  # killed from outside (the device tool's limit): end the step, publish what there is, exit 1
+    trap - TERM INT
+    kill "$PUBLISHER" 2>/dev/null
+    [ -n "$CURRENT" ] && kill -TERM "$CURRENT" 2>/dev/null
+    record "(cut here by a signal)" - "killed" 0
+    publish final
+    exit 1
+}
+trap on_signal TERM INT
+trap 'kill "$PUBLISHER" 2>/dev/null' EXIT
+
+# ---- offline installs (only what is missing) and the scripts' syntax, quietly
 install_wheel() {  # module, wheel glob
     if "$PY" -c "import $1" 2>/dev/null; then
         echo "$1: already importable"
@@ -103,50 +143,64 @@ fi
 install_wheel flash_attn 'flash_attn-*.whl' >> "$OUT_DIR/install.log" 2>&1 || true
 "$PY" -m py_compile "$PEERS" benchmarks/common.py benchmarks/peer_bench/*.py benchmarks/gpu_table.py \
     benchmarks/gpu_table_row.py benchmarks/gpu_profile.py benchmarks/fsdp2_smoke.py benchmarks/launch_model.py \
-    benchmarks/device_walk.py benchmarks/vllm_memory.py benchmarks/cost_fit.py benchmarks/call_costs.py
-bash -n "${BASH_SOURCE[0]}"
+    benchmarks/device_walk.py benchmarks/vllm_memory.py benchmarks/cost_fit.py benchmarks/call_costs.py \
+    benchmarks/flash_parity.py || exit 1
 if [ $DRY = 0 ]; then
-    "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device (use --dry-run on CPU)')"
+    "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device (use --dry-run on CPU)')" \
+        || exit 1
 fi
 
-: > "$OUT_DIR/skipped.txt"  # (steps run inside pipelines, in subshells: what they skip goes to a file)
+# ---- the step runner: a row per step in steps.tsv (name, kind, status, seconds)
 left() { echo $((DEADLINE_S - (SECONDS - STARTED))); }
-step() {  # step NAME MIN_S MAX_S COMMAND...: run COMMAND under timeout min(MAX_S, what is left); its exit code
-    local name=$1 min=$2 max=$3
-    shift 3
-    local budget
+quiet() { grep -v -E "(Future|User|Deprecation)Warning|warnings\.warn\(|profiler_st" || true; }  # (not flash's)
+record() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$OUT_DIR/steps.tsv"; }
+step() {  # step NAME KIND MIN_S MAX_S LOG TAIL COMMAND...: COMMAND under timeout min(MAX_S, what is left),
+    local name=$1 kind=$2 min=$3 max=$4 log=$5 lines=$6  # its output in OUT_DIR/LOG, its last TAIL lines shown
+    shift 6
+    local budget rc=0 status t0=$SECONDS
     budget=$(left)
+    [ "$min" = 0 ] && [ "$budget" -lt "$max" ] && budget=$max  # (a step that is never skipped: its own limit)
     if [ "$budget" -lt "$min" ]; then
-        echo "== $name: skipped (${budget}s left of DEADLINE_S=${DEADLINE_S}, it needs ${min}s)" >&3
-        echo "$name" >> "$OUT_DIR/skipped.txt"
+        echo "== $name: skipped (${budget}s left of DEADLINE_S=${DEADLINE_S}, it needs ${min}s)"
+        record "$name" "$kind" "skipped (deadline: ${budget}s left, needs ${min}s)" 0
+        publish
         return 0
     fi
     [ "$budget" -lt "$max" ] && max=$budget
-    echo "== $name (at most ${max}s; $(left)s left)" >&3
-    timeout "$max" "$@"
+    echo "== $name (at most ${max}s; $(left)s left)"
+    # (in the background, waited for: a signal to the script is handled at once, not after the step)
+    timeout --kill-after=10 "$max" "$@" 0<&0 >> "$OUT_DIR/$log" 2>&1 &
+    CURRENT=$!
+    wait "$CURRENT" || rc=$?
+    CURRENT=""
+    quiet < "$OUT_DIR/$log" | tail -n "$lines"
+    case $rc in
+        0) status=ok ;;
+        124 | 137) status="timeout (${max}s)" ;;
+        *) status="failed (exit $rc)" ;;
+    esac
+    [ "$rc" = 0 ] || echo "== $name: $status"
+    record "$name" "$kind" "$status" $((SECONDS - t0))
+    publish
 }
 
 if [ $DRY = 1 ]; then
     DEVICE=cpu
+    PARITY_ARGS=(--device cpu --dims tiny --scale 0.25 --threads 1)
     TABLE_ARGS=(--device cpu --model tiny --scale 0.03125 --configs 1 --inject_oom dense --threads 1)
+    PROFILE_ARGS=(--device cpu --model tiny --scale 0.03125 --threads 1)
+    WALK_ARGS=(--device cpu --dims tiny --layers 2 --scale 0.03125 --repeats 1)
 else
     DEVICE=cuda
+    PARITY_ARGS=(--device cuda)
     TABLE_ARGS=(--device cuda)
+    PROFILE_ARGS=(--device cuda --model qwen3-0.6b --scale 0.25)
+    WALK_ARGS=(--device cuda --scale 0.125)
 fi
+echo "== gpu.sh $([ $DRY = 1 ] && echo '--dry-run ')-> $OUT_DIR ($(date -u +%FT%TZ)), DEADLINE_S=$DEADLINE_S"
 
-# ---- 1. the decisive table: a process per (configuration, method); its rows print as each configuration ends
-# (not through `step`: its first line is the table's own)
-table_rc=0
-budget=$(( $(left) - 30 < TABLE_BUDGET ? $(left) - 30 : TABLE_BUDGET ))
-timeout $((budget + 30)) "$PY" benchmarks/gpu_table.py "${TABLE_ARGS[@]}" --budget "$budget" --out "$OUT_DIR" \
-    2>&1 | grep -v -i warn || table_rc=$?
-
-# ---- 2. the plan (the memory estimate per method against this card) and the environment
-echo "== gpu.sh $([ $DRY = 1 ] && echo '--dry-run ')-> $OUT_DIR ($(date -u +%FT%TZ)); the plan and the environment"
-step "plan" 10 60 "$PY" "$PEERS" --profile gpu --device "$DEVICE" --micro_batch 2 --no_sweep \
-    --methods dense,dense_ckpt,pg,tree_mask,tree --plan > "$OUT_DIR/plan.txt" 2>&1 \
-    && grep -A30 "^peak memory" "$OUT_DIR/plan.txt" | head -n 26 || echo "plan: failed (not fatal)"
-step "environment" 10 60 "$PY" - <<'PY' 2>&1 | tee "$OUT_DIR/env.txt" || echo "environment: failed (not fatal)"
+# ---- 1. the environment
+step "environment" information 10 60 env.txt 12 "$PY" - <<'PY'
 import sys, time
 t = time.perf_counter()
 import trl_dta
@@ -162,7 +216,11 @@ try:
     print(f"flash_attn {flash_attn.__version__}")
 except ImportError:
     print("flash_attn: not installed")
-print("gpu:", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"gpu: {p.name}, {p.total_memory / 2**30:.1f} GiB")
+else:
+    print("gpu: none")
 import re
 floor = re.search(r'"torch>=([0-9]+)\.([0-9]+)', open("pyproject.toml").read())
 have = re.match(r"([0-9]+)\.([0-9]+)", torch.__version__)
@@ -170,104 +228,104 @@ if floor and have and tuple(map(int, have.groups())) < tuple(map(int, floor.grou
     print(f"note: torch {torch.__version__} is below the supported floor, torch>={'.'.join(floor.groups())} "
           "(pyproject.toml): this suite runs anyway, untested by CI at this version")
 PY
-[ $DRY = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT_DIR/env.txt" \
-    || true
+
+# ---- 2. bf16 parity, first: the flash kernel's gradients at a real shape
+step "bf16 parity (flash kernel vs sdpa vs dense, each vs fp32)" exactness 30 120 flash_parity.log 12 \
+    "$PY" benchmarks/flash_parity.py "${PARITY_ARGS[@]}" --out "$OUT_DIR"
+
+# ---- 3. the decisive table: a process per (configuration, method). Never skipped: with no time left its rows
+# say "skipped (deadline)", and the table is still written
+budget=$(( $(left) - 30 < TABLE_BUDGET ? $(left) - 30 : TABLE_BUDGET ))
+[ "$budget" -lt 0 ] && budget=0
+step "decisive table" table 0 $((budget + 60)) gpu_table.log 40 \
+    "$PY" benchmarks/gpu_table.py "${TABLE_ARGS[@]}" --budget "$budget" --out "$OUT_DIR"
+
+# ---- 4. the plan: each method's estimated peak against this card
+step "plan" information 10 60 plan.txt 26 "$PY" "$PEERS" --profile gpu --device "$DEVICE" --micro_batch 2 \
+    --no_sweep --methods dense,dense_ckpt,pg,tree_mask,tree --plan
+
+# ---- 5. fp32 parity of every method
 ATTN=sdpa
-"$PY" -c "import flash_attn" 2>/dev/null && ATTN=sdpa,flash_attention_2
-
-# ---- 3. parity (fp32): a failure fails the script, after the other steps have run
-parity_rc=0
+[ $DRY = 0 ] && "$PY" -c "import flash_attn" 2>/dev/null && ATTN=sdpa,flash_attention_2
 if [ $DRY = 1 ]; then
-    step "parity, fp32, cpu" 60 600 "$PY" "$PEERS" --parity --device cpu --attn sdpa --threads 1 --out "$OUT_DIR" \
-        2>&1 | tee "$OUT_DIR/parity.log" | grep -v -i warn | tail -n 28 || parity_rc=$?
+    step "fp32 parity, cpu" exactness 60 600 parity.log 28 "$PY" "$PEERS" --parity --device cpu --attn sdpa \
+        --threads 1 --out "$OUT_DIR"
 else
-    step "parity, fp32, cuda ($ATTN)" 60 "$PARITY_TIMEOUT" "$PY" "$PEERS" --parity --device cuda --attn "$ATTN" \
-        --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/parity.log" | grep -v -i warn | tail -n 40 || parity_rc=$?
+    step "fp32 parity, cuda ($ATTN)" exactness 60 120 parity.log 40 "$PY" "$PEERS" --parity --device cuda \
+        --attn "$ATTN" --out "$OUT_DIR"
 fi
 
-# ---- 4. profile: one walk and one dense + ckpt step under torch.profiler; not fatal
-if [ $DRY = 1 ]; then
-    PROFILE_ARGS=(--device cpu --model tiny --scale 0.03125 --threads 1)
-else
-    PROFILE_ARGS=(--device cuda --model qwen3-0.6b --scale 0.25)
-fi
-step "profile: a walk and a dense + ckpt step, grpo-4k-g16" 30 75 "$PY" benchmarks/gpu_profile.py \
-    "${PROFILE_ARGS[@]}" --out "$OUT_DIR" 2>&1 | grep -v -i "warn\|profiler_st" | tail -n 8 \
-    || echo "profile: failed (not fatal)"
+# ---- 6. profile: one walk and one dense + ckpt step under torch.profiler
+step "profile: a walk and a dense + ckpt step, grpo-4k-g16" information 30 75 gpu_profile.log 8 \
+    "$PY" benchmarks/gpu_profile.py "${PROFILE_ARGS[@]}" --out "$OUT_DIR"
 
-# ---- 5.-10. the older steps, while the deadline allows
-walk_rc=0
-fsdp_rc=0
+# ---- 7.-12. the older steps, while the deadline allows
 if [ $DRY = 1 ]; then
-    step "cost model fitted online on CPU (smoke: 2 layers, 3 steps)" 30 600 "$PY" benchmarks/cost_fit.py \
-        --device cpu --hidden 72 --layers 2 --steps 3 --compare 1 --threads 1 --offline docs/call-costs-cpu.json \
-        --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/cost_fit.log" | grep -v -i warn | tail -n 4
-    step "device-sized walk on CPU (smoke: 1 layer, lengths x 1/32, sdpa only)" 30 600 "$PY" \
-        benchmarks/device_walk.py --device cpu --layers 1 --scale 0.03125 --repeats 1 --out "$OUT_DIR" 2>&1 \
-        | tee "$OUT_DIR/device_walk.log" | grep -v -i warn | tail -n 2 || walk_rc=$?
-    for mode in "" --per_layer; do
-        step "FSDP2 smoke test on CPU (gloo, world size 1) ${mode:-gather-once}" 30 300 "$PY" \
-            benchmarks/fsdp2_smoke.py --device cpu --hidden 256 --layers 4 $mode --out "$OUT_DIR" 2>&1 \
-            | tee -a "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 15 || fsdp_rc=$?
-    done
-    echo "== vLLM memory: on paper, then the measuring code on CPU (1 layer, lengths x 1/50; no peaks on CPU)"
-    "$PY" benchmarks/vllm_memory.py --paper --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/vllm_memory.log" | tail -n 8
-    step "vLLM memory on CPU" 30 300 "$PY" benchmarks/vllm_memory.py --device cpu --layers 1 --scale 0.02 \
-        --out "$OUT_DIR" 2>&1 | tee -a "$OUT_DIR/vllm_memory.log" | grep -v -i warn | tail -n 2
-    step "soak on CPU (optional: 20 steps)" 30 300 "$PY" benchmarks/soak.py --mode executor --device cpu --steps 20 \
-        --every 5 --warmup 5 --oom_at 8 --hidden 64 --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/soak.log" \
-        | grep -v -i warn | tail -n 3 || echo "soak: failed (not fatal)"
-    step "launch model on CPU (lengths x 1/8, 60e9 B, segments, mask and flex)" 30 900 "$PY" benchmarks/launch_model.py \
-        --scales 0.125 --cards "" --launch_factors 2 --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/launch_model.log" \
-        | grep -v -i warn | tail -n 2
+    step "cost model fitted online (smoke: 2 layers, 3 steps)" information 30 300 cost_fit.log 4 "$PY" \
+        benchmarks/cost_fit.py --device cpu --hidden 72 --layers 2 --steps 3 --compare 1 --threads 1 \
+        --offline docs/call-costs-cpu.json --out "$OUT_DIR"
 else
-    # 5. the cost model fitted on this GPU (issue 41): the offline fit, then the online fit; not fatal
-    step "call costs on this GPU (the offline fit)" 45 150 "$PY" benchmarks/call_costs.py --device cuda \
-        --hidden 1152 --layers 8 --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/cost_fit.log" | grep -v -i warn \
-        | tail -n 5 || echo "call costs: failed (not fatal)"
-    step "cost model fitted online on this GPU" 60 240 "$PY" benchmarks/cost_fit.py --device cuda --hidden 1152 \
-        --layers 8 --memory 60e9 --steps 12 --offline "$OUT_DIR/call_costs_cuda.json" --peers --out "$OUT_DIR" \
-        2>&1 | tee -a "$OUT_DIR/cost_fit.log" | grep -v -i warn | tail -n 32 || echo "cost fit: failed (not fatal)"
-    # 6. the device-sized walk (issue 27): flex's fp32 exactness (fails the script), then the Qwen3-1.7B walk
-    step "device-sized walk, cuda (flex parity, then segments, segments via sdpa, mask, flex)" 90 240 "$PY" \
-        benchmarks/device_walk.py --device cuda --scale 0.125 --out "$OUT_DIR" 2>&1 \
-        | tee "$OUT_DIR/device_walk.log" | grep -v -i warn | tail -n 8 || walk_rc=$?
-    # 7. FSDP2 smoke test (fp32, world size 1)
-    for mode in "" --per_layer; do
-        step "FSDP2 smoke test, fp32, cuda ${mode:-gather-once}" 45 120 "$PY" benchmarks/fsdp2_smoke.py \
-            --device cuda --hidden 2048 --layers 8 $mode --out "$OUT_DIR" 2>&1 \
-            | tee -a "$OUT_DIR/fsdp2_smoke.log" | grep -v -i warn | tail -n 15 || fsdp_rc=$?
-    done
-    # 8. memory next to a colocated vLLM engine (issue 33), on paper and measured; not fatal
-    "$PY" benchmarks/vllm_memory.py --paper --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/vllm_memory.log" | tail -n 8 \
-        || echo "vllm memory on paper: failed (not fatal)"
-    step "vLLM memory: walk vs dense + gradient checkpointing, cuda" 60 240 "$PY" benchmarks/vllm_memory.py \
-        --device cuda --scale 1 --out "$OUT_DIR" 2>&1 | tee -a "$OUT_DIR/vllm_memory.log" | grep -v -i warn \
-        | tail -n 3 || echo "vllm memory: failed (not fatal)"
-    # 9. optional: soak (200 walks + SGD steps, an injected out-of-memory retry at step 60); not fatal
-    step "soak, cuda (optional)" 60 150 "$PY" benchmarks/soak.py --mode executor --device cuda --steps 200 \
-        --oom_at 60 --hidden 1024 --out "$OUT_DIR" --plot "$OUT_DIR/soak_executor.png" 2>&1 \
-        | tee "$OUT_DIR/soak.log" | grep -v -i warn | tail -n 3 || echo "soak: failed (not fatal)"
-    # 10. the GPU plan on paper (CPU-side counts: any CPU runs it too), last
-    step "launch model (kernels and FLOPs per step, Qwen3-1.7B, tau2-2x8-10k)" 120 420 "$PY" \
-        benchmarks/launch_model.py --scales 0.125 --out "$OUT_DIR" 2>&1 | tee "$OUT_DIR/launch_model.log" \
-        | grep -v -i warn | tail -n 16 || echo "launch model: failed (not fatal)"
+    step "call costs on this GPU (the offline fit)" information 45 150 cost_fit.log 5 "$PY" \
+        benchmarks/call_costs.py --device cuda --hidden 1152 --layers 8 --out "$OUT_DIR"
+    step "cost model fitted online on this GPU" information 60 240 cost_fit.log 32 "$PY" benchmarks/cost_fit.py \
+        --device cuda --hidden 1152 --layers 8 --memory 60e9 --steps 12 --offline "$OUT_DIR/call_costs_cuda.json" \
+        --peers --out "$OUT_DIR"
+fi
+step "device-sized walk (segments with flash, segments through sdpa, mask)" information 60 240 device_walk.log 8 \
+    "$PY" benchmarks/device_walk.py "${WALK_ARGS[@]}" --out "$OUT_DIR"
+for mode in "" --per_layer; do
+    if [ $DRY = 1 ]; then
+        FSDP_ARGS=(--device cpu --hidden 256 --layers 4)
+    else
+        FSDP_ARGS=(--device cuda --hidden 2048 --layers 8)
+    fi
+    step "FSDP2 smoke test, fp32 ${mode:-gather-once}" exactness 30 120 "fsdp2_smoke${mode:+_per_layer}.log" 15 \
+        "$PY" benchmarks/fsdp2_smoke.py "${FSDP_ARGS[@]}" $mode --out "$OUT_DIR"
+done
+"$PY" benchmarks/vllm_memory.py --paper --out "$OUT_DIR" > "$OUT_DIR/vllm_memory_paper.log" 2>&1 || true
+if [ $DRY = 1 ]; then
+    step "vLLM memory (1 layer, lengths x 1/50; no peaks on CPU)" information 30 300 vllm_memory.log 2 "$PY" \
+        benchmarks/vllm_memory.py --device cpu --layers 1 --scale 0.02 --out "$OUT_DIR"
+    step "soak (20 steps)" information 30 300 soak.log 3 "$PY" benchmarks/soak.py --mode executor --device cpu \
+        --steps 20 --every 5 --warmup 5 --oom_at 8 --hidden 64 --out "$OUT_DIR"
+    step "launch model (lengths x 1/8)" information 30 300 launch_model.log 2 "$PY" benchmarks/launch_model.py \
+        --scales 0.125 --cards "" --launch_factors 2 --out "$OUT_DIR"
+else
+    step "vLLM memory: walk vs dense + gradient checkpointing" information 60 240 vllm_memory.log 3 "$PY" \
+        benchmarks/vllm_memory.py --device cuda --scale 1 --out "$OUT_DIR"
+    step "soak (optional)" information 60 150 soak.log 3 "$PY" benchmarks/soak.py --mode executor --device cuda \
+        --steps 200 --oom_at 60 --hidden 1024 --out "$OUT_DIR" --plot "$OUT_DIR/soak_executor.png"
+    step "launch model (kernels and FLOPs per step, Qwen3-1.7B, tau2-2x8-10k)" information 120 420 \
+        launch_model.log 16 "$PY" benchmarks/launch_model.py --scales 0.125 --out "$OUT_DIR"
 fi
 
-# ---- the decisive table again (the device tool returns the tail of the output), the exit codes, the tarball
+# ---- 13. flex attention, last, under its own limit: its fp32 exactness, then its walk
+if [ $DRY = 1 ]; then
+    record "flex attention (exactness, then its walk)" exactness "n/a (CPU: flex has no backward there)" 0
+else
+    step "flex attention (exactness, then its walk)" exactness 60 150 device_walk_flex.log 6 "$PY" \
+        benchmarks/device_walk.py "${WALK_ARGS[@]}" --sides flex_attention --flex_parity --name device_walk_flex \
+        --out "$OUT_DIR"
+fi
+
+# ---- the verdict: the summary (the device tool returns the tail of the output), the exit code
+complete=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1])).get('complete', False))" \
+    "$OUT_DIR/gpu_table.json" 2>/dev/null || echo False)
+failed=$(awk -F'\t' '$2 == "exactness" && $3 ~ /^failed/ {print $1}' "$OUT_DIR/steps.tsv" | paste -sd ';' -)
+grep -q "FLASH CHECK FAILED" "$OUT_DIR/gpu_table.md" 2>/dev/null && failed="${failed:+$failed; }the flash kernel's check"
+skipped=$(awk -F'\t' '$3 ~ /^(skipped|timeout)/ {print $1}' "$OUT_DIR/steps.tsv" | paste -sd ';' -)
 echo
-cat "$OUT_DIR/gpu_table.md" 2>/dev/null || echo "(no decisive table: see gpu_sh.log)"
-echo "== table exit $table_rc, parity exit $parity_rc, FSDP2 smoke exit $fsdp_rc, device walk exit $walk_rc" \
-    "($(date -u +%FT%TZ), $((SECONDS - STARTED)) s); skipped for the deadline: $(wc -l < "$OUT_DIR/skipped.txt")" \
-    "step(s) $(tr '\n' ';' < "$OUT_DIR/skipped.txt")"
-echo "== $([ $DRY = 1 ] && echo 'dry run done; ')outputs in $OUT_DIR, tarred into $TGZ"
-exec 1>&4 2>&5 3>&-  # (the log's tee sees its end: the tarball gets the whole log)
-wait "$TEE_PID" 2>/dev/null || true
-tar -czf "$TGZ" -C "$(dirname "$OUT_DIR")" "$(basename "$OUT_DIR")"
-if [ -n "${OUT:-}" ] && [ -d "$OUT" ] && [ "$(cd "$OUT" && pwd)" != "$(cd "$OUT_DIR" && pwd)" ]; then
-    cp "$TGZ" "$OUT_DIR/gpu_table.md" "$OUT_DIR/gpu_sh.log" "$OUT"/ 2>/dev/null || true
+summary
+echo
+echo "== table complete: $complete; exactness failures: ${failed:-none}; skipped or timed out: ${skipped:-none}" \
+    "($(date -u +%FT%TZ), $((SECONDS - STARTED)) s); outputs in $OUT_DIR, tarred into $TGZ"
+rc=0
+if [ "$complete" != True ] || [ -n "$failed" ]; then
+    rc=1
 fi
-[ "$table_rc" = 0 ] || exit "$table_rc"
-[ "$parity_rc" = 0 ] || exit "$parity_rc"
-[ "$fsdp_rc" = 0 ] || exit "$fsdp_rc"
-exit "$walk_rc"
+kill "$PUBLISHER" 2>/dev/null
+wait "$PUBLISHER" 2>/dev/null
+exec 1>&4 2>&5  # (the log's tee sees its end: the tarball gets the whole log)
+wait "$TEE_PID" 2>/dev/null || true
+publish final
+exit "$rc"

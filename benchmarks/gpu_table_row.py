@@ -56,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--inject_oom", action="store_true", help="raise torch.OutOfMemoryError after the warm-up"
     )
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument(
+        "--memory_budget", type=float, help="the walk's activation budget in bytes (default: 'auto')"
+    )
     ap.add_argument("--out", required=True, help="the row's JSON file")
     return ap.parse_args(argv)
 
@@ -85,7 +88,8 @@ def run(args, row: dict) -> None:
     model = make_model(args.model, device, dtype, args.attn)
     if device.type == "cuda":
         row["model_gib"] = torch.cuda.memory_allocated(device) / 2**30
-    ctx = Context(model, device, args.attn, block_size=None, micro_batch=args.micro_batch or None)
+    budget = "auto" if args.memory_budget is None else args.memory_budget
+    ctx = Context(model, device, args.attn, None, args.micro_batch or None, memory_budget=budget)
     runner = RUNNERS[args.method]
     row["build_s"] = time.perf_counter() - T0
 
@@ -121,7 +125,7 @@ def main(argv=None) -> int:
     row = {"model": args.model, "shape": args.shape, "scale": args.scale, "method": args.method,
            "dtype": args.dtype, "attn": args.attn, "device": args.device, "rounds": args.rounds,
            "micro_batch": args.micro_batch if args.method.startswith("dense") else None,
-           "torch": torch.__version__, "status": "ok"}  # fmt: skip
+           "memory_budget": args.memory_budget, "torch": torch.__version__, "status": "ok"}  # fmt: skip
     code = 0
     try:
         run(args, row)
@@ -133,6 +137,10 @@ def main(argv=None) -> int:
         row.update(status="error", error=f"{type(exc).__name__}: {str(exc)[:300]}")
         code = 1
     row["peak_gib"] = peak_gib(torch.device(args.device))
+    if args.device.startswith("cuda"):  # (the caching allocator's retries: frees and retries after a miss)
+        stats = torch.cuda.memory_stats()
+        row.update(alloc_retries=stats.get("num_alloc_retries"), alloc_ooms=stats.get("num_ooms"))
+    row["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     row["peak_kind"] = "cuda max_memory_allocated" if args.device.startswith("cuda") else "cpu peak RSS"
     row["wall_s"] = time.perf_counter() - T0
     with open(args.out, "w") as f:

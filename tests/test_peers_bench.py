@@ -139,3 +139,43 @@ def test_gpu_table_rows_are_processes(tmp_path):
         rows[0]["vs_ckpt"] / rows[0]["dedup"]
     )
     assert (tmp_path / "gpu_table.md").read_text().count("\n| ") >= 3
+
+
+def _row(method, status="ok", **figures):
+    return dict({"method": method, "status": status, "card_gib": 79.2}, **figures)
+
+
+def test_gpu_table_targets_are_stated_per_card():
+    """benchmarks/gpu_table.py's targets: where PrefixGrouper runs out of memory (an 80 GB H100) the speed and
+    memory target is "not measurable on this card" with the walk's figures, and the full tau2 step's
+    PrefixGrouper OOM is the one its plan predicts; where it fits (an H200), the walk's budget row decides."""
+    import gpu_table
+
+    def groups(first, full):
+        second = [
+            _row("tree", time_s=1.0, peak_gib=20, of_ideal=0.9, vs_ckpt=3.0),
+            _row("dense_ckpt", time_s=3.0),
+        ]
+        return list(zip(gpu_table.CONFIGS, [first, second, full], strict=True))
+
+    full = [_row("pg", "OOM", predicted_gib=215.0), _row("tree", time_s=9.0, peak_gib=40), _row("dense_ckpt")]
+    first = [_row("pg", "OOM"), _row("tree", time_s=1.0, peak_gib=35, vs_ckpt=3.3, of_ideal=0.6),
+             _row("tree_budget", "n/a (PrefixGrouper OOM)"), _row("dense_ckpt", time_s=3.3)]  # fmt: skip
+    h100 = gpu_table.targets(groups(first, full))
+    assert h100[0].endswith(
+        "not measurable on this card (PrefixGrouper ran out of memory on 79 GiB); the walk: 1.000 s, "
+        "3.30x dense + ckpt, peak 35 GiB"
+    )
+    assert "NOT met (0.60, 0.90)" in h100[1]
+    assert (
+        "met (walk ok, dense + ckpt ok); PrefixGrouper out of memory on 79 GiB, as its plan predicts"
+        in h100[2]
+    )
+    h200 = [_row("pg", time_s=0.7, peak_gib=76.0), _row("tree", time_s=1.0, peak_gib=37.0),
+            _row("tree_budget", time_s=0.65, peak_gib=30.0, memory_budget_gib=28.0)]  # fmt: skip
+    assert (
+        ": met: at a budget of 28 GiB the walk ran 1.08x its speed at 0.39 of its peak"
+        in gpu_table.targets(groups(h200, full))[0]
+    )
+    h200[2]["peak_gib"] = 39.0  # (over half PrefixGrouper's 76 GiB)
+    assert ": NOT met: " in gpu_table.targets(groups(h200, full))[0]

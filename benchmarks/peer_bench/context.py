@@ -37,11 +37,21 @@ class Context:
 
     ``block_size``: the walk's ``TreeExecutor(block_size=...)``; None: the executor's defaults (budgets from
     the free memory, ``memory_budget="auto"``). ``micro_batch``: rows per forward/backward of the dense
-    methods (TRL's ``per_device_train_batch_size``), accumulating; None: one GRPO group per micro-batch."""
+    methods (TRL's ``per_device_train_batch_size``), accumulating; None: one GRPO group per micro-batch.
+    ``memory_budget``: the walk's ``TreeExecutor(memory_budget=...)`` where ``block_size`` is None (default
+    "auto": a share of the free memory)."""
 
-    def __init__(self, model, device, attn: str, block_size: int | None, micro_batch: int | None = None):
+    def __init__(
+        self,
+        model,
+        device,
+        attn: str,
+        block_size: int | None,
+        micro_batch: int | None = None,
+        memory_budget: float | str = "auto",
+    ):
         self.model, self.device, self.attn, self.block_size = model, torch.device(device), attn, block_size
-        self.micro_batch = micro_batch
+        self.micro_batch, self.memory_budget = micro_batch, memory_budget
         self._executor: TreeExecutor | None = None
         self.pg_kernel = "flash_attention_2" if attn == "flash_attention_2" else "bottom_right_sdpa"
 
@@ -50,7 +60,9 @@ class Context:
         """The walk's executor, built at its first use and kept (its construction runs a small probe), so that
         a process that runs no walk builds none."""
         if self._executor is None:
-            sizes = {} if self.block_size is None else {"block_size": self.block_size}
+            sizes = {"memory_budget": self.memory_budget}
+            if self.block_size is not None:
+                sizes = {"block_size": self.block_size}
             self._executor = TreeExecutor(self.model, **sizes)
         return self._executor
 

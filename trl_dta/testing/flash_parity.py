@@ -228,7 +228,7 @@ def _dense(model, scenario: Scenario) -> dict:
 def _grads(model) -> dict:
     """Every trainable parameter's gradient in fp32 (one that got none: zeros, so that it is compared too)."""
     return {
-        n: torch.zeros(p.shape) if p.grad is None else p.grad.detach().float().cpu()
+        n: torch.zeros(p.shape, device=p.device) if p.grad is None else p.grad.detach().float()
         for n, p in model.named_parameters()
         if p.requires_grad
     }
