@@ -179,3 +179,28 @@ def test_gpu_table_targets_are_stated_per_card():
     )
     h200[2]["peak_gib"] = 39.0  # (over half PrefixGrouper's 76 GiB)
     assert ": NOT met: " in gpu_table.targets(groups(h200, full))[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_gpu_suite_cut_short_still_writes_its_table_and_exits_0(tmp_path):
+    """benchmarks/gpu.sh --dry-run under a deadline that cuts it short: the bf16 parity and the decisive
+    table run, the steps that no longer fit are rows of the summary, what was written reaches $OUT, and it
+    exits 0."""
+    _bench_extra()
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(os.environ, PYTHON=sys.executable, DEADLINE_S="60", OUT=str(out))
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run", str(tmp_path / "suite")],
+                          check=False, capture_output=True, text=True, env=env, timeout=280)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = (out / "summary.md").read_text()
+    assert "| bf16 parity (flash kernel vs sdpa vs dense, each vs fp32) | exactness | ok |" in summary
+    assert "| decisive table | table | ok |" in summary and "# Decisive table" in summary
+    assert "skipped (deadline" in summary
+    assert {p.name for p in out.iterdir()} >= {
+        "summary.md",
+        "gpu_table.md",
+        "flash_parity_bf16.json",
+        "suite.tgz",
+    }
