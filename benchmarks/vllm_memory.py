@@ -43,7 +43,8 @@ from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
 from trl_dta.walk import peak as peak_stats  # noqa: E402
-from trl_dta.walk.budgets import HEAD_ROWS, activation_bytes  # noqa: E402
+from trl_dta.walk.budgets import activation_bytes  # noqa: E402
+from trl_dta.walk.heads import HEAD_ROWS  # noqa: E402
 from trl_dta.walk.memory_model import plan_peak  # noqa: E402
 from trl_dta.walk.plan import build_plan  # noqa: E402
 from trl_dta.walk.scoring import scored_from  # noqa: E402

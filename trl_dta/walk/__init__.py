@@ -5,6 +5,8 @@ Read in this order: ``plan.py`` (the schedule of pushes, leaf batches, packed su
 alone), ``executor.py`` (:class:`TreeExecutor`, the loop that runs a plan), ``state.py`` (what one walk
 keeps: its stack of frames), ``forwards.py`` (one step's model call: a segment, sibling leaves padded or
 packed), ``scoring.py`` (which positions get the LM head, a sequence's log-probs along the stack),
+``heads.py`` (what a scored position gives: log-probs, values, or the hidden states for a loss that applies
+the output head itself),
 ``router.py`` (MoE router terms). The model side: ``model.py`` (:class:`CausalLM`, the adapter over a
 ``transformers`` model), ``cache.py`` (the cache object the model writes into), ``path_kv.py`` (the path's
 K/V in one buffer per layer), ``packing.py`` (positions and mask of a packed row), ``checks.py``,

@@ -34,6 +34,7 @@ import torch
 
 from .checks import check_count
 from .errors import ArgumentTypeError
+from .heads import default_head
 from .memory_budget import (
     AUTO_FRACTION,
     auto_memory_bytes,
@@ -43,7 +44,6 @@ from .memory_budget import (
 )
 from .memory_model import (  # noqa: F401 - (also imported from here)
     FIXED,
-    HEAD_ROWS,
     MIN_CALL_TOKENS,
     ActivationBytes,
     TokenBudgets,
@@ -190,11 +190,12 @@ class Budgets:
             self.memory = None if measured is None else auto_memory_bytes(*measured, reserved, share)
         return self.memory
 
-    def derive(self, trie, lm, entropy_grad: bool = True) -> TokenBudgets:
+    def derive(self, trie, lm, entropy_grad: bool = True, head=None) -> TokenBudgets:
         """The budgets a walk of ``trie`` through ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`) uses:
         the halved ones after running out of memory; else those given by hand, the others derived from the
         memory budget for the trie's longest path (:func:`token_budgets`), or :data:`FIXED` where no memory
-        budget applies. ``entropy_grad``: the walk's entropies carry a gradient."""
+        budget applies. ``entropy_grad``: the walk's entropies carry a gradient; ``head``: the walk's
+        (:mod:`trl_dta.walk.heads`; default: ``lm``'s)."""
         if self._halved is not None:
             return self._halved
         memory = self.memory_bytes(lm.model, lm.device)
@@ -202,9 +203,9 @@ class Budgets:
         if memory is not None:
             path = max((n.start for n in trie.nodes() if n.is_leaf), default=0)
             dtype, (autocast, copies) = activation_dtype(lm), autocast_copies(lm)
-            outputs = 1 if lm.value_head else None
+            head = head or default_head(lm)
             derived = token_budgets(
-                lm.config, dtype, memory, lm.device.type, path, entropy_grad, outputs, autocast, copies
+                lm.config, dtype, memory, lm.device.type, path, entropy_grad, None, autocast, copies, head
             )
         block, batch, subtree = self._given
         block = derived.block_size if block is None else block
@@ -212,12 +213,14 @@ class Budgets:
             batch = block if self._given[0] is not None and memory is None else derived.batch_tokens
         return TokenBudgets(block, batch, derived.subtree_tokens if subtree is None else subtree)
 
-    def key_weight(self, lm, entropy_grad: bool = True) -> float:
+    def key_weight(self, lm, entropy_grad: bool = True, head=None) -> float:
         """A gathered key position of a call through ``lm``, in tokens of its budget
         (:meth:`ActivationBytes.key_weight`)."""
-        outputs = 1 if lm.value_head else None
         autocast, _ = autocast_copies(lm)
-        return activation_bytes(lm.config, activation_dtype(lm), entropy_grad, outputs, autocast).key_weight()
+        per = activation_bytes(
+            lm.config, activation_dtype(lm), entropy_grad, None, autocast, head or default_head(lm)
+        )
+        return per.key_weight()
 
     def use(self, budgets: TokenBudgets, name: str = "") -> None:
         """Record ``budgets`` as those of the walk now starting (:attr:`in_use`)."""

@@ -12,12 +12,14 @@ import torch
 
 from ..trie import PrefixTrie
 from .errors import ArgumentTypeError, UnsupportedModelError
+from .heads import HiddenStates
 from .sharding import fsdp_units
 
 
-def check_walk_call(lm, trie, temperature, entropies: bool) -> None:
+def check_walk_call(lm, trie, temperature, entropies: bool, head=None) -> None:
     """Any walk of ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`): ``trie`` a :class:`~trl_dta.PrefixTrie`,
-    ``temperature`` a finite number > 0; a value model walked at 1.0 without entropies."""
+    ``temperature`` a finite number > 0; a value model, or a head of hidden states (``head``), walked at 1.0
+    without entropies."""
     if not isinstance(trie, PrefixTrie):
         raise ArgumentTypeError(
             f"expected a PrefixTrie (PrefixTrie.from_sequences(...)), got {type(trie).__name__}"
@@ -26,6 +28,12 @@ def check_walk_call(lm, trie, temperature, entropies: bool) -> None:
         raise ArgumentTypeError(f"temperature must be a number, got {type(temperature).__name__}")
     if not 0 < temperature < math.inf:  # NaN fails too
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if isinstance(head, HiddenStates) and (entropies or temperature != 1.0):
+        raise ValueError(
+            "the walk scores hidden states (head=HiddenStates()): the loss applies the output head itself "
+            "(TreeExecutor.head_logits, with its own temperature); walk with entropies=False and "
+            "temperature=1.0."
+        )
     if lm.value_head and (entropies or temperature != 1.0):
         raise ValueError(
             f"{lm.name} is a value model: its walk gives values, which have no "

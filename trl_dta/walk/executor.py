@@ -48,6 +48,7 @@ from .cost_model import CostModel
 from .costs import CallCost
 from .errors import ArgumentTypeError
 from .flops import flops as count_flops
+from .heads import Head, default_head
 from .inputs import WalkInputs
 from .model import CausalLM
 from .path_kv import PathKV
@@ -67,11 +68,11 @@ T = TypeVar("T")
 class TreeExecutor:
     """Forward/backward of the sequences of a :class:`~trl_dta.PrefixTrie` through a causal LM.
 
-    Value models (a critic: a ``*ForTokenClassification``, or ``*ForSequenceClassification`` with its head
-    applied per token, ``num_labels=1``, plain or PEFT) are walked the same way: the values take the
-    log-probs' place, value index ``t`` being the head at position ``t`` (the state before token ``t + 1``),
-    so :meth:`logprobs` returns values and :meth:`backward` calls ``loss_fn(i, values_i, None)``.
-    ``temperature`` must be 1.0 and ``entropies`` False (a ``ValueError`` otherwise).
+    What a scored position gives is the executor's ``head`` (:mod:`trl_dta.walk.heads`): log-probs and
+    entropies; a value model's values (a ``*ForTokenClassification``, or ``*ForSequenceClassification``,
+    ``num_labels=1``: :meth:`logprobs` returns values, :meth:`backward` calls ``loss_fn(i, values_i, None)``);
+    or the hidden states, the loss applying the output head itself (:meth:`head_logits`). The latter two walk
+    at temperature 1.0 without entropies (a ``ValueError`` otherwise).
 
     Args:
         model: a ``transformers`` causal LM that takes a KV cache (see docs/supported-models.md), plain or
@@ -110,8 +111,7 @@ class TreeExecutor:
             memory at the first walk less the first optimizer step's gradients and Adam states; a percentage
             ("80%"): that share instead; elsewhere, and with None, the fixed budgets measured fastest on CPU
             (:data:`~trl_dta.walk.budgets.FIXED`). Strings as users type them ("8GiB", "6e10", "none"):
-            :func:`~trl_dta.walk.memory_budget.parse_memory_budget`. The LM head scores at most ``HEAD_ROWS``
-            positions at once.
+            :func:`~trl_dta.walk.memory_budget.parse_memory_budget`.
         oom_retries: a walk that runs out of memory (``torch.OutOfMemoryError``, ``MemoryError``) is walked
             again with every budget it used halved, up to this many times, its partial gradients discarded;
             the smaller budgets stay for later walks and grow back after a while
@@ -121,13 +121,13 @@ class TreeExecutor:
         cost_model: a :class:`~trl_dta.walk.cost_model.CostModel` (or its mode, "auto", "reset", "frozen"):
             the gradient walks time their calls and the plan is built with the constants fitted to them
             (docs/cost-model.md). None: the device kind's shipped constants, nothing timed.
+        head: what a scored position gives (a :class:`~trl_dta.walk.heads.Head`); None: the model's default
+            (:func:`~trl_dta.walk.heads.default_head`: values for a value model, else log-probs).
 
-    :attr:`budgets` (the :class:`~trl_dta.walk.budgets.Budgets`) reports the budgets in use
-    (``budgets.in_use``, ``budgets.metrics()``), :meth:`take_oom_retries` the walks retried after running out
-    of memory, :attr:`peak_memory` the last walk's peak memory (:mod:`trl_dta.walk.peak`).
-
-    Gradient checkpointing, if the model has it on, is switched off during the walk and restored after:
-    HF decoder layers drop a passed KV cache under it, and the walk bounds activation memory by itself.
+    :attr:`budgets` reports the budgets in use (``budgets.in_use``, ``budgets.metrics()``),
+    :meth:`take_oom_retries` the walks retried after running out of memory, :attr:`peak_memory` the last
+    walk's peak. Gradient checkpointing is switched off during a walk (HF decoder layers drop a passed KV
+    cache under it; the walk bounds activation memory by itself) and restored after.
     """
 
     def __init__(
@@ -143,6 +143,7 @@ class TreeExecutor:
         oom_retries: int = RETRIES,
         budgets: Budgets | None = None,
         cost_model: CostModel | str | None = None,
+        head: Head | None = None,
     ):
         if budgets is None:
             budgets = Budgets(memory_budget, block_size, batch_tokens, subtree_tokens)
@@ -154,6 +155,7 @@ class TreeExecutor:
         self._pack_leaves = bool(pack_leaves)
         self.gather_per_layer = bool(gather_per_layer)
         self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32)
+        self.head = default_head(self.lm) if head is None else head
         self.calls = CallCounts()  # model calls of every walk so far (tree/calls, tree/tokens_per_call)
         # which calls to merge: the device kind's cost model unless set (:mod:`trl_dta.walk.costs`)
         self.call_cost: CallCost | None = None
@@ -174,7 +176,7 @@ class TreeExecutor:
         """The budgets a walk of ``trie`` uses (:meth:`trl_dta.walk.budgets.Budgets.derive`): those given to
         the constructor, the others derived from ``memory_budget`` for this trie's longest path, or the fixed
         defaults where no memory budget applies; halved ones after running out of memory."""
-        return self.budgets.derive(trie, self.lm, entropy_grad)
+        return self.budgets.derive(trie, self.lm, entropy_grad, self.head)
 
     def take_oom_retries(self) -> int:
         """Walks run again after running out of memory since the last call (0 without recovery): what the
@@ -200,7 +202,7 @@ class TreeExecutor:
             costs = replace(costs, fixed=0.0, per_segment=False) if explore else costs
         key_weight = 0.0  # (memory budgets: a call's gathered keys count against it, where they are kept)
         if self.budgets.memory is not None and self.lm.segment_attention and not flash.expected(self.lm):
-            key_weight = self.budgets.key_weight(self.lm, entropy_grad)
+            key_weight = self.budgets.key_weight(self.lm, entropy_grad, self.head)
         return build_plan(
             trie, budgets.block_size, budgets.batch_tokens, self.pack_leaves, subtree, costs, key_weight
         )
@@ -214,10 +216,9 @@ class TreeExecutor:
 
     def fitted_costs(self) -> CallCost | None:
         """The call costs fitted on this device (:attr:`cost_model`), once calibrated; else None."""
-        if self.cost_model is None:
-            return None
-        self.cost_model.start(self.lm, self.device)
-        return self.cost_model.costs() if self.cost_model.calibrated else None
+        if self.cost_model is not None:
+            self.cost_model.start(self.lm, self.device)
+            return self.cost_model.costs() if self.cost_model.calibrated else None
 
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
@@ -245,6 +246,11 @@ class TreeExecutor:
             grad=False,
         )
         return (logps, ents) if entropies else logps
+
+    def head_logits(self, hidden: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """The model's output head on ``hidden`` [..., D] (float32): with its logit scale and soft-capping,
+        / ``temperature`` (a value model's values): what a loss of the ``HiddenStates`` head applies."""
+        return self.lm.logits(hidden, temperature)
 
     def flops(self, trie: PrefixTrie, score_from: Sequence[int] | None = None) -> tuple[float, float]:
         """(dense FLOPs, walk FLOPs) of a forward of ``trie`` (:mod:`trl_dta.walk.flops`): their ratio is the
@@ -342,7 +348,7 @@ class TreeExecutor:
         entropy_grad: bool = True,
     ) -> None:
         model, lm = self.lm.model, self.lm
-        check_walk_call(lm, trie, temperature, entropies)
+        check_walk_call(lm, trie, temperature, entropies, self.head)
         agree_on(lm.check_sequences, trie, model)  # (sharded: every rank raises if one does)
         if zero.is_deepspeed(model):  # DeepSpeed ZeRO-2/3: gathered once, reduced once per step
             sharded = zero.gathered(model, grad, self.gather_per_layer)
@@ -373,6 +379,7 @@ class TreeExecutor:
                 entropy_grad=entropy_grad,
                 inputs=WalkInputs(trie, plan, self.device, self.pack_leaves, lm.segment_attention),
                 peak=peak,
+                head=self.head,
             )
             timing = None
             if grad and self.cost_model is not None:  # (the gradient walks are timed: docs/cost-model.md)

@@ -30,10 +30,10 @@ import torch
 
 from .checks import check_count
 from .costs import device_costs
+from .heads import HEAD_ROWS, LogProbs
 from .plan import Pop, Push, Step
 
 MIN_CALL_TOKENS = 512  # below this, calls are too small to keep a GPU busy: rather recompute
-HEAD_ROWS = 1024  # the LM head runs on at most this many positions at once (scoring.py)
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,12 @@ def _has_qk_norm(config) -> bool:
 
 
 def activation_bytes(
-    config, dtype: torch.dtype, entropy_grad: bool = True, outputs: int | None = None, autocast: bool = False
+    config,
+    dtype: torch.dtype,
+    entropy_grad: bool = True,
+    outputs: int | None = None,
+    autocast: bool = False,
+    head=None,
 ) -> ActivationBytes:
     """Per-token bytes of a walk through a model of ``config`` (a ``transformers`` config; multimodal ones
     give their text config) in ``dtype``, counted as PyTorch's autograd saves them in a pre-norm decoder
@@ -95,7 +100,9 @@ def activation_bytes(
     The LM head saves its float32 log-softmax (``4 V`` per scored token, ``8 V`` when entropies have a
     gradient) and, while a call scores its rows, the logits and their gradient (``8 V``). ``outputs``: the
     head's width ``V`` where it is not the vocabulary (1: a value model's head). ``autocast``: ``dtype`` is
-    autocast's over float32 weights (module docstring: ``11 d + kv`` more per layer, a float32 K)."""
+    autocast's over float32 weights (module docstring: ``11 d + kv`` more per layer, a float32 K). ``head``:
+    the walk's :class:`~trl_dta.walk.heads.Head` (default: log-probs), which says what it keeps per scored
+    position and per row of its chunk."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     e = torch.empty((), dtype=dtype).element_size()
     d = config.hidden_size
@@ -118,9 +125,10 @@ def activation_bytes(
     if autocast:  # (float32 norms and residual, a copy of each linear's input per linear; measured)
         layer += 11 * d + kv
     token = layers * layer + norm(d) + 8  # the final norm, the token id
-    scored = (8 if entropy_grad else 4) * vocab + e * d  # log-softmax (+ entropy), the head's input
+    head = head or LogProbs()
+    scored = head.scored_bytes(vocab, d, e, entropy_grad)  # (log-probs: the log-softmax, entropy, input)
     position = layers * kv * ((4 if autocast else e) + e + 8)  # K, V (K float32 under autocast), gradients
-    return ActivationBytes(token, scored, 8 * vocab, position, key=layers * 2 * kv * e)
+    return ActivationBytes(token, scored, head.chunk_bytes(vocab), position, key=layers * 2 * kv * e)
 
 
 def token_budgets(
@@ -133,19 +141,20 @@ def token_budgets(
     outputs: int | None = None,
     autocast: bool = False,
     fixed_bytes: float = 0.0,
+    head=None,
 ) -> TokenBudgets:
     """The token budgets a walk through a model of ``config`` in ``dtype`` may use within ``memory_bytes``
     of activation memory on a ``device_type`` ("cuda", "cpu", ...), by the priorities of the module
     docstring. ``path_tokens``: the most tokens on any path above a leaf (the executor passes its trie's;
     the path's K/V are held for all of them); unknown, the memory is split 2:1 between the stack and the
-    call. ``outputs``, ``autocast``: as in :func:`activation_bytes`; ``fixed_bytes``: held whatever the
-    budgets (autocast's weight copies). Pure: no device is touched, so a CPU can show what a GPU would
-    pick."""
+    call. ``outputs``, ``autocast``, ``head``: as in :func:`activation_bytes`; ``fixed_bytes``: held
+    whatever the budgets (autocast's weight copies). Pure: no device is touched, so a CPU can show what a
+    GPU would pick."""
     if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int | float) or not memory_bytes > 0:
         raise ValueError(f"memory_bytes must be a positive number of bytes, got {memory_bytes!r}")
     if path_tokens is not None:
         path_tokens = check_count("path_tokens", path_tokens)
-    per = activation_bytes(config, dtype, entropy_grad, outputs, autocast)
+    per = activation_bytes(config, dtype, entropy_grad, outputs, autocast, head)
     costs = device_costs(device_type)
     stack = per.token + per.scored + (per.position if path_tokens is None else 0)  # per token on the stack
     call = per.position + per.token + per.scored  # per token of the running call

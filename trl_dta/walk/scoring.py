@@ -1,8 +1,9 @@
 """Which positions the walk scores, and each sequence's log-probs along the walk's stack.
 
-For a value model (:attr:`~trl_dta.walk.model.CausalLM.value_head`) the same bookkeeping carries values:
-value index ``t`` is the head applied to the hidden state at position ``t`` (the state before token
-``t + 1``, where the log-prob of token ``t + 1`` is read), in the log-probs' slot.
+What a scored position gives is the walk's head (:mod:`trl_dta.walk.heads`): log-probs (and entropies), a
+value model's values, or the hidden states themselves; output index ``t`` comes from the hidden state at
+position ``t`` (the state before token ``t + 1``, where the log-prob of token ``t + 1`` is read), whatever
+the head. Below, "log-probs" names those outputs.
 
 A sequence needs its log-probs from some index on (``score_from``: for a training row, its prompt length - 1;
 ``lp[t] = log p(seq[t+1] | seq[:t+1])``). A trie node scores from the smallest index any sequence through
@@ -19,7 +20,6 @@ from collections.abc import Sequence
 import torch
 
 from ..trie import PrefixTrie, TrieNode
-from .budgets import HEAD_ROWS
 from .errors import ArgumentTypeError
 
 
@@ -60,16 +60,24 @@ def path_scores(stack, logps, ents, leaf_from: int, seq_from: int, above=()):
 
 
 def score_rows(
-    lm, hiddens, ids, start, parent_hidden, temperature: float, entropies: bool, froms, entropy_grad=True
+    lm,
+    head,
+    hiddens,
+    ids,
+    start,
+    parent_hidden,
+    temperature: float,
+    entropies: bool,
+    froms,
+    entropy_grad=True,
 ):
-    """Log-probs (and entropies) of each row's tokens (``hiddens[r]``: [L_r, D], ``ids[r]``: [L_r], at
-    positions ``start..``): the logits of position ``t`` score token ``t + 1`` (log-prob index ``t``),
-    and the parent's last hidden state scores the segment's first token (none at the root). Row ``r``
-    is scored from index ``max(froms[r], start - 1)`` on; returns, per row, the log-probs, entropies and
-    that first index. The LM head runs on all rows' positions together, :data:`HEAD_ROWS` at a time (so that
-    its float32 logits and their gradients are never alive for more positions at once). ``start`` and
-    ``parent_hidden`` are shared by the rows (sibling leaves), or lists with one per row (the segments of a
-    packed subtree). ``entropy_grad=False``: entropies are values only (no graph, half the saved bytes)."""
+    """The head's outputs (log-probs, and entropies) of each row's tokens (``hiddens[r]``: [L_r, D],
+    ``ids[r]``: [L_r], at positions ``start..``): position ``t`` scores token ``t + 1`` (output index ``t``),
+    and the parent's last hidden state scores the segment's first token (none at the root). Row ``r`` is
+    scored from index ``max(froms[r], start - 1)`` on; returns, per row, the outputs, entropies and that
+    first index. ``head`` (:mod:`trl_dta.walk.heads`) runs on all rows' positions together, in its own chunks.
+    ``start`` and ``parent_hidden`` are shared by the rows (sibling leaves), or lists with one per row (the
+    segments of a packed subtree). ``entropy_grad=False``: entropies are values only (no graph)."""
     rows = len(ids)
     starts = start if isinstance(start, (list, tuple)) else [start] * rows
     parents = parent_hidden if isinstance(parent_hidden, (list, tuple)) else [parent_hidden] * rows
@@ -85,22 +93,7 @@ def score_rows(
         firsts.append(first)
     counts = [t.numel() for t in targets]
     if sum(counts) == 0:
-        empty = hiddens[0].new_zeros(
-            0, dtype=torch.float64 if hiddens[0].dtype == torch.float64 else torch.float32
-        )
+        empty = head.nothing(hiddens[0])
         return [empty] * len(ids), ([empty] * len(ids) if entropies else None), firsts
-    lps, ents = [], []
-    for rows_in, rows_target in zip(
-        torch.cat(inputs).split(HEAD_ROWS), torch.cat(targets).split(HEAD_ROWS), strict=True
-    ):
-        if lm.value_head:  # a value model: the head's one output per position (no target, no entropy)
-            lps.append(lm.logits(rows_in, 1.0).squeeze(-1))
-            continue
-        logp_all = torch.log_softmax(lm.logits(rows_in, temperature), dim=-1)
-        lps.append(logp_all.gather(-1, rows_target[:, None]).squeeze(-1))
-        if entropies:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                ents.append(-(logp_all.exp() * logp_all).sum(-1))
-    lp = torch.cat(lps) if len(lps) > 1 else lps[0]
-    ent = (torch.cat(ents) if len(ents) > 1 else ents[0]) if entropies else None
-    return list(lp.split(counts)), (list(ent.split(counts)) if entropies else None), firsts
+    out, ent = head.score(lm, torch.cat(inputs), torch.cat(targets), temperature, entropies, entropy_grad)
+    return list(out.split(counts)), (list(ent.split(counts)) if entropies else None), firsts

@@ -21,6 +21,7 @@ import torch
 
 from ..trie import PrefixTrie, TrieNode
 from .cache import KV, LayerCache, expand_states, states_of
+from .heads import Head, LogProbs
 from .inputs import WalkInputs
 from .lockstep import Lockstep
 from .path_kv import PathKV
@@ -145,6 +146,7 @@ class Walk:
     entropy_grad: bool = True  # entropies carry a graph (False: values only)
     inputs: WalkInputs | None = None  # every call's ids and packed-row index tensors, on the device
     peak: PeakMemory = field(default_factory=lambda: PeakMemory(torch.device("meta")))  # memory at its peaks
+    head: Head = field(default_factory=LogProbs)  # what a scored position gives (trl_dta/walk/heads.py)
 
     def first_scored(self, node: TrieNode) -> int:
         return 0 if self.node_from is None else self.node_from[node]

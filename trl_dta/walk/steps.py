@@ -123,6 +123,7 @@ def _compute_segment(lm: CausalLM, walk: Walk, segment: Segment) -> SegmentOutpu
     froms = [max(first, start) if lead else first]
     lps, ents, firsts = score_rows(
         lm,
+        walk.head,
         [hidden[0]],
         [ids],
         start,
@@ -144,6 +145,7 @@ def _defer(lm: CausalLM, walk: Walk, segment: Segment, ids: torch.Tensor) -> Seg
         return SegmentOutputs([], None, parent_hidden.new_zeros(0), None, None, segment.end - 1, ids)
     lps, ents, firsts = score_rows(
         lm,
+        walk.head,
         [parent_hidden.reshape(1, -1)[:0]],
         [ids],
         segment.start,
@@ -194,7 +196,7 @@ def _row_losses(lm: CausalLM, walk: Walk, step, hiddens, ids, start: int, lead: 
     starts = [start] * len(segments) if lead else [s.start for s in segments]  # (lead: no subtree)
     above = [walk.parent_hidden() if p < 0 else hiddens[p][-1] for p in parents]
     lps, ents, firsts = score_rows(
-        lm, hiddens, ids, starts, above, walk.temperature, walk.entropies, froms, walk.entropy_grad
+        lm, walk.head, hiddens, ids, starts, above, walk.temperature, walk.entropies, froms, walk.entropy_grad
     )
     pieces = [(lps[r], ents[r] if walk.entropies else None, firsts[r]) for r in range(len(segments))]
     losses = []
