@@ -30,8 +30,7 @@ from trl_dta.testing.varlen import (
 from trl_dta.walk import flash as flash_kernel
 from trl_dta.walk import segment_attention as sa
 from trl_dta.walk.costs import CallCost
-from trl_dta.walk.inputs import PackedRow
-from trl_dta.walk.packing import packed_mask
+from trl_dta.walk.packing import PackedRow, packed_mask
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")
 KERNELS = ["sdpa per segment", "sdpa row", "flash 2.11", "flash 2.12"]

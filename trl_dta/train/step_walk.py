@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,18 +22,16 @@ from ..walk.executor import TreeExecutor
 from .load_balancing import step_router_grad
 from .step_results import SequenceResults
 
-if TYPE_CHECKING:
-    from .step import StepWalker
-
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 class StepWalk(AbstractContextManager):
     """The passes over one step's trie (built from the sequences at construction; None when there are none,
     and then each pass is an idle walk where the other ranks need one). ``results``: the
-    :class:`SequenceResults` of the last :meth:`backward` or :meth:`score`."""
+    :class:`SequenceResults` of the last :meth:`backward` or :meth:`score`. ``walker``: the
+    :class:`~trl_dta.train.step.StepWalker` that made it (not imported here: step.py imports this module)."""
 
-    def __init__(self, walker: StepWalker, model, sequences, training: bool, metrics, check, prefix="tree/"):
+    def __init__(self, walker, model, sequences, training: bool, metrics, check, prefix="tree/"):
         self.walker, self.model, self.training, self.metrics = walker, model, training, metrics
         self.prefix = prefix
         self._check = check() if check is not None else None  # (the dense pass, before the walk's time)

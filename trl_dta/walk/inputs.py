@@ -14,33 +14,13 @@ same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from ..trie import PrefixTrie
+from .packing import PackedRow
 from .plan import PackedSubtree, Push, Segment, SiblingLeaves, Step
 from .segment_layout import SegmentLayout
-
-
-@dataclass(frozen=True)
-class PackedRow:
-    """A packed row's index tensors on the device: ``positions`` [T], ``segment`` [T] (each token's segment
-    in the row) and ``ancestor`` [n, n] (bool: ``[k, j]`` when segment ``j`` is ``k`` or an ancestor of
-    ``k`` in the row)."""
-
-    positions: torch.Tensor
-    segment: torch.Tensor
-    ancestor: torch.Tensor
-
-    @classmethod
-    def siblings(cls, lengths: list[int], start: int, device) -> PackedRow:
-        """Sibling leaves of the given lengths on a past of ``start`` tokens, built here (the probe's row)."""
-        positions = torch.cat([torch.arange(start, start + n) for n in lengths])
-        segment = torch.cat([torch.full((n,), k) for k, n in enumerate(lengths)])
-        ancestor = torch.eye(len(lengths), dtype=torch.bool)
-        return cls(positions.to(device), segment.to(device), ancestor.to(device))
 
 
 class WalkInputs:

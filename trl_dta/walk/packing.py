@@ -2,22 +2,38 @@
 
 Sibling leaves (children of the same node) are packed side by side, each seeing the past and itself; a packed
 subtree puts trie nodes and all their descendants in one row, each segment seeing its ancestors in the row (a
-tree-shaped causal mask). Built on the device from the row's index tensors
-(:class:`~trl_dta.walk.inputs.PackedRow`), with shapes known to the host (no synchronisation): a 4-D
-additive mask for eager and sdpa attention, which compute every pair of the row's rectangle (sdpa on a CPU
-attends per segment instead: :mod:`~trl_dta.walk.segment_attention`), or a block-sparse ``BlockMask`` for
-flex attention, which computes only the tiles holding a visible pair. Only for
+tree-shaped causal mask). Built on the device from the row's index tensors (:class:`PackedRow`, made for a
+whole walk by :class:`~trl_dta.walk.inputs.WalkInputs`), with shapes known to the host (no
+synchronisation): a 4-D additive mask for eager and sdpa attention, which compute every pair of the row's
+rectangle (sdpa on a CPU attends per segment instead: :mod:`~trl_dta.walk.segment_attention`), or a
+block-sparse ``BlockMask`` for flex attention, which computes only the tiles holding a visible pair. Only for
 models the construction probe finds exact when packed (:mod:`trl_dta.walk.probe`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
-if TYPE_CHECKING:  # (annotations only: inputs.py imports the layout, which uses this module)
-    from .inputs import PackedRow
+
+@dataclass(frozen=True)
+class PackedRow:
+    """A packed row's index tensors on the device: ``positions`` [T], ``segment`` [T] (each token's segment
+    in the row) and ``ancestor`` [n, n] (bool: ``[k, j]`` when segment ``j`` is ``k`` or an ancestor of
+    ``k`` in the row)."""
+
+    positions: torch.Tensor
+    segment: torch.Tensor
+    ancestor: torch.Tensor
+
+    @classmethod
+    def siblings(cls, lengths: list[int], start: int, device) -> PackedRow:
+        """Sibling leaves of the given lengths on a past of ``start`` tokens, built here (the probe's row)."""
+        positions = torch.cat([torch.arange(start, start + n) for n in lengths])
+        segment = torch.cat([torch.full((n,), k) for k, n in enumerate(lengths)])
+        ancestor = torch.eye(len(lengths), dtype=torch.bool)
+        return cls(positions.to(device), segment.to(device), ancestor.to(device))
 
 
 def packed_visible(row: PackedRow, start: int) -> torch.Tensor:

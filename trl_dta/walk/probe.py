@@ -40,8 +40,7 @@ from ..compare import relative_error
 from .cache import HAS_STATE_API, STATE_API_VERSION, expand_states, states_of
 from .determinism import check_deterministic
 from .errors import MEMORY_ERRORS, UnsupportedModelError
-from .inputs import PackedRow
-from .packing import packed_mask
+from .packing import PackedRow, packed_mask
 from .path_kv import PathKV
 from .segment_layout import SegmentLayout
 

@@ -7,7 +7,6 @@ with them, or with torch's flash kernel (:mod:`trl_dta.walk.flash`, checked agai
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,10 +14,7 @@ from torch.nn import functional as F
 
 from .costs import per_segment_pays
 from .errors import UnsupportedModelError
-from .packing import packed_visible
-
-if TYPE_CHECKING:
-    from .inputs import PackedRow
+from .packing import PackedRow, packed_visible
 
 ATTENTION = "trl_dta_segments"  # the attention function's name in transformers' AttentionInterface
 
