@@ -1,10 +1,11 @@
-"""Measure a device's call-cost constants for the walk's cost model (``trl_dta.walk.costs.DEVICE_COSTS``).
+"""Measure a device's call-cost constants for the walk's cost model
+(``trl_dta.walk.cost.costs.DEVICE_COSTS``).
 
-The plan merges calls by ``seconds = fixed + per_token x tokens + per_pair x pairs`` (``trl_dta.walk.costs``),
-with ``fixed = layer_call_s x layers`` and the per-token and per-pair terms the FLOPs over ``flop_rate``.
-This script times forward + backward calls of a model (one row of ``tokens`` on a cached past of ``past``
-tokens, median of ``--repeats``) and fits the three by least squares: the fixed cost per layer and call,
-and the FLOP rates of the matmuls and of attention.
+The plan merges calls by ``seconds = fixed + per_token x tokens + per_pair x pairs``
+(``trl_dta.walk.cost.costs``), with ``fixed = layer_call_s x layers`` and the per-token and per-pair terms the
+FLOPs over ``flop_rate``. This script times forward + backward calls of a model (one row of ``tokens`` on a
+cached past of ``past`` tokens, median of ``--repeats``) and fits the three by least squares: the fixed cost
+per layer and call, and the FLOP rates of the matmuls and of attention.
 
     python benchmarks/call_costs.py [--device cpu] [--threads 2] [--hidden 576 --layers 8] [--out OUT_DIR]
 """
@@ -23,7 +24,7 @@ from scipy.optimize import nnls
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from trl_dta import PrefixTrie, TreeExecutor
-from trl_dta.walk.costs import CallCost, device_costs
+from trl_dta.walk.cost.costs import CallCost, device_costs
 
 
 def measured_model(hidden: int, layers: int, device) -> tuple[LlamaConfig, LlamaForCausalLM]:
@@ -82,9 +83,9 @@ def measure(config, model, device, repeats: int = 3) -> tuple[dict, list[dict]]:
                          "pairs": pairs, "seconds": seconds})  # fmt: skip
             print(f"past {past:5d} tokens {tokens:5d}: {seconds * 1e3:8.1f} ms", flush=True)
     # seconds = overhead + fixed x calls + per_token x forwarded + per_pair x pairs, by non-negative least
-    # squares of relative residuals, as the online fit (trl_dta/walk/cost_model.py) models a walk: a 16-token
-    # call weighs as much as a 4k-token one, and the walk's own time outside its calls (its plan, its inputs)
-    # is a per-walk overhead, not part of the fixed cost per call
+    # squares of relative residuals, as the online fit (trl_dta/walk/cost/cost_model.py) models a walk: a
+    # 16-token call weighs as much as a 4k-token one, and the walk's own time outside its calls (its plan, its
+    # inputs) is a per-walk overhead, not part of the fixed cost per call
     a = np.array([[1, r["calls"], r["forwarded"], r["pairs"]] for r in rows], dtype=float)
     y = np.array([r["seconds"] for r in rows])
     scale = a.max(axis=0)  # (columns of unit size, for the solver)

@@ -185,7 +185,7 @@ class PeakMemory:
     def __enter__(self) -> Self:
         import torch
 
-        from trl_dta.walk import peak as walk_peak  # (the walks' own resets of CUDA's peak accounted)
+        from trl_dta.walk.memory import peak as walk_peak  # (the walks' own resets of CUDA's peak accounted)
 
         gc.collect()
         if self.device.type == "cuda":
@@ -207,7 +207,7 @@ class PeakMemory:
     def __exit__(self, *exc) -> None:
         import torch
 
-        from trl_dta.walk import peak as walk_peak
+        from trl_dta.walk.memory import peak as walk_peak
 
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

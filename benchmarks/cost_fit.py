@@ -6,7 +6,7 @@ The model is call_costs.py's (a SmolLM2-wide Llama, sdpa, fp32) and the steps ar
 budgets come from a memory budget in bytes (``--memory``), so that the plan is built with the cost model.
 For each prior (CUDA's shipped constants; the CPU's x10):
 
-1. ``--steps`` gradient walks with a :class:`~trl_dta.walk.cost_model.CostModel` started from that prior
+1. ``--steps`` gradient walks with a :class:`~trl_dta.walk.cost.cost_model.CostModel` started from that prior
    (mode "reset", a temporary cache): per step the constants in use, the predicted and measured walk time;
 2. then, alternating on the same tries (``--compare`` pairs), the walk planned with the online fit against
    the walk planned with the offline fit: the median ratio of their times;
@@ -37,8 +37,8 @@ import torch
 from call_costs import measure, measured_model
 
 from trl_dta import PrefixTrie, TreeExecutor
-from trl_dta.walk.cost_model import CostModel
-from trl_dta.walk.costs import DEVICE_COSTS, CallCost, device_costs
+from trl_dta.walk.cost.cost_model import CostModel
+from trl_dta.walk.cost.costs import DEVICE_COSTS, CallCost, device_costs
 
 
 def step_trie(rng: random.Random, vocab: int) -> tuple[PrefixTrie, list[int]]:

@@ -7,10 +7,10 @@ here without downloading anything), a policy alone against a policy with a value
   (bf16 autocast, as `bf16=True` trains: 16 bytes per parameter). A value model is the same decoder with a
   d -> 1 head instead of the LM head (a model with tied embeddings keeps the same count).
 * **The walk**: the peak of one walk on the τ² step `tau2-2x8-10k` (8,704 tokens on the deepest path, as
-  docs/memory.md), from `trl_dta.walk.budgets.activation_bytes` (checked within 10% against autograd's saved
-  bytes in tests/test_budgets.py): the path's K/V with their gradient and the graph of every token of the
-  path (nothing recomputed), plus a call of 2,048 tokens and the LM head's working space. The value model's
-  walk has a d -> 1 head: no log-softmax per scored token, no logits. The two walks run one after the
+  docs/memory.md), from `trl_dta.walk.memory.budgets.activation_bytes` (checked within 10% against autograd's
+  saved bytes in tests/test_budgets.py): the path's K/V with their gradient and the graph of every token of
+  the path (nothing recomputed), plus a call of 2,048 tokens and the LM head's working space. The value
+  model's walk has a d -> 1 head: no log-softmax per scored token, no logits. The two walks run one after the
   other, so a step's peak is the larger, not the sum.
 * **Dense with activation checkpointing** (the usual alternative): per row, each layer's input kept
   (`2 d` bytes per token and layer in bf16), one layer's activations recomputed at a time, and the LM head's
@@ -25,7 +25,7 @@ import json
 import torch
 from transformers import Qwen3Config
 
-from trl_dta.walk.budgets import activation_bytes
+from trl_dta.walk.memory.budgets import activation_bytes
 
 GIB = 2**30
 PATH, CALL = 8704, 2048  # the τ² step's deepest path (docs/memory.md), one call's tokens

@@ -8,9 +8,9 @@ rounding). Then the host synchronisations of a no-grad and a gradient walk, coun
 ``torch.cuda.set_sync_debug_mode("warn")``: none expected in the first, one in the second (``backward``
 returns the summed loss as a float).
 
-The paths (``trl_dta/walk/segment_attention.py``): ``segments`` (the default: every call attends per segment,
-with torch's flash varlen kernel on CUDA), ``segments_sdpa`` (the same layout through sdpa, one call per
-segment: the kernel's fallback), ``mask`` (the model's own sdpa with the packed row's whole-row mask: the
+The paths (``trl_dta/walk/attention/segment_attention.py``): ``segments`` (the default: every call attends per
+segment, with torch's flash varlen kernel on CUDA), ``segments_sdpa`` (the same layout through sdpa, one call
+per segment: the kernel's fallback), ``mask`` (the model's own sdpa with the packed row's whole-row mask: the
 walk before attention per segment, and what models the walk's function cannot run get) and
 ``flex_attention`` (a block-sparse ``BlockMask``, compiled).
 
@@ -45,9 +45,9 @@ from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
 from trl_dta.compare import relative_error  # noqa: E402
-from trl_dta.walk import flash  # noqa: E402
-from trl_dta.walk import peak as walk_peak  # noqa: E402
-from trl_dta.walk.costs import CallCost  # noqa: E402
+from trl_dta.walk.attention import flash  # noqa: E402
+from trl_dta.walk.cost.costs import CallCost  # noqa: E402
+from trl_dta.walk.memory import peak as walk_peak  # noqa: E402
 from trl_dta.walk.plan import Push  # noqa: E402
 
 QWEN3_1_7B = dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,

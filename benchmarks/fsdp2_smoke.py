@@ -26,7 +26,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.compare import relative_error
 from trl_dta.testing.torchrun import exit_worker
-from trl_dta.walk import peak as walk_peak
+from trl_dta.walk.memory import peak as walk_peak
 
 COUNTS = {"all_gather": 0, "reduce_scatter": 0}
 

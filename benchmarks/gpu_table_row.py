@@ -36,7 +36,7 @@ from peer_bench.context import Context  # noqa: E402
 from peer_bench.methods import RUNNERS  # noqa: E402
 from peer_bench.workloads import MODELS, make_model, shapes_for  # noqa: E402
 
-from trl_dta.walk import flash  # noqa: E402
+from trl_dta.walk.attention import flash  # noqa: E402
 
 OOM_EXIT = 3
 
@@ -67,7 +67,7 @@ def peak_gib(device: torch.device) -> float | None:
     """The process's peak so far: CUDA's max allocated (the walks' own resets of it accounted), else the
     peak resident set (Linux: KiB)."""
     if device.type == "cuda":
-        from trl_dta.walk import peak as walk_peak
+        from trl_dta.walk.memory import peak as walk_peak
 
         return walk_peak.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -112,7 +112,8 @@ def run(args, row: dict) -> None:
             "budgets": ex.budgets.metrics(),
             "oom_halvings": sum(c.event == "halved" for c in ex.budgets.history),
             "peak_memory_gib": None if ex.peak_memory is None else ex.peak_memory / 2**30,
-            # how its calls attended (trl_dta/walk/segment_attention.py), and the flash kernel's check per
+            # how its calls attended (trl_dta/walk/attention/segment_attention.py), and the flash kernel's
+            # check per
             # (device, dtype, heads, kv heads, head dim): False means it fell back to sdpa per segment
             "attention": "segments" if ex.lm.segment_attention else "mask",
             "flash_checks": {str(k): v for k, v in flash._VERDICTS.items()},

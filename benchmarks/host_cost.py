@@ -32,7 +32,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.testing.launches import OpCounter
 from trl_dta.testing.varlen import counted_varlen_attn, flash_on_cpu
-from trl_dta.walk.costs import CallCost
+from trl_dta.walk.cost.costs import CallCost
 
 
 def tiny(layers: int) -> Qwen3ForCausalLM:

@@ -8,7 +8,7 @@ launch, not counting fusion), for a model with Qwen3-1.7B's shapes, and extrapol
 runs with 1 and 2 layers (operators grow linearly in layers). Then, per optimizer step:
 
 * launch floor = kernels x launch cost;
-* compute time = FLOPs / (peak x utilisation): dense's from ``trl_dta.walk.flops`` (x3 for forward +
+* compute time = FLOPs / (peak x utilisation): dense's from ``trl_dta.walk.cost.flops`` (x3 for forward +
   backward); the walk's from its plan, call by call: every token it forwards (those recomputed at pop
   twice), the attention pairs its kernel computes (``segments``, the default: each segment against the keys
   it sees, with torch's flash varlen kernel, the pairs the tree needs; ``mask``: the model's own sdpa with a
@@ -16,17 +16,17 @@ runs with 1 and 2 layers (operators grow linearly in layers). Then, per optimize
   needed plus a tile per row), the LM head where scored. Dense's attention counts only the causal pairs (a
   flash kernel's): a bound that favours dense.
 
-The walk's budgets are those ``trl_dta.walk.budgets.token_budgets`` picks for Qwen3-1.7B in bf16 within
+The walk's budgets are those ``trl_dta.walk.memory.budgets.token_budgets`` picks for Qwen3-1.7B in bf16 within
 ``--memory`` bytes (default: 60e9, and what an 80 GB and a 141 GB GPU leave after 16 bytes per parameter
 of weights, gradients and Adam states, 90% of the card), and the calls are merged by the CUDA cost model
-(``trl_dta.walk.costs``) for each attention path (``--kernels segments,mask,flex``). ``--fixed`` adds the
+(``trl_dta.walk.cost.costs``) for each attention path (``--kernels segments,mask,flex``). ``--fixed`` adds the
 fixed CPU budgets (what a GPU ran before memory budgets). Where the launch floor approaches the compute
 time, the walk needs fewer, larger calls (or CUDA graphs).
 
 Calibration (issue 41, ``--launch_factors``): where the device's true launch cost is ``f x`` the shipped one
 (0.5, 1, 2, 4), the walk's plan built with the shipped constants (uncalibrated) is set beside the plan built
-with the constants the online fit recovers (``trl_dta.walk.cost_model``: its fixed cost per call ``f x`` the
-shipped; tests/test_cost_model.py holds the fit to 5% on a simulated clock of this kind), each timed on
+with the constants the online fit recovers (``trl_dta.walk.cost.cost_model``: its fixed cost per call ``f x``
+the shipped; tests/test_cost_model.py holds the fit to 5% on a simulated clock of this kind), each timed on
 paper against dense on that device (both sides' launches at ``f x launch_us``). Beside them, a bound on any
 plan: the better of the fewest calls the budgets allow (every merge made) and one call more that computes
 no pair the tree does not need (each call launching as many kernels as those do). Where the calibrated plan
@@ -57,10 +57,10 @@ from peer_bench.workloads import shapes_for  # noqa: E402
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
 from trl_dta.testing.launches import OpCounter  # noqa: E402
 from trl_dta.testing.varlen import counted_varlen_attn, flash_on_cpu  # noqa: E402
-from trl_dta.walk.budgets import FIXED, token_budgets  # noqa: E402
-from trl_dta.walk.costs import CallCost, needed_pairs  # noqa: E402
-from trl_dta.walk.flops import flops as count_flops  # noqa: E402
-from trl_dta.walk.flops import per_token_costs  # noqa: E402
+from trl_dta.walk.cost.costs import CallCost, needed_pairs  # noqa: E402
+from trl_dta.walk.cost.flops import flops as count_flops  # noqa: E402
+from trl_dta.walk.cost.flops import per_token_costs  # noqa: E402
+from trl_dta.walk.memory.budgets import FIXED, token_budgets  # noqa: E402
 from trl_dta.walk.plan import Push  # noqa: E402
 from trl_dta.walk.scoring import scored_from  # noqa: E402
 

@@ -14,7 +14,7 @@ Every ``--every`` steps it records the process's resident memory (Linux ``VmRSS`
 its peak since the last sample (``VmHWM``, reset each time) and, on CUDA, ``torch.cuda.memory_allocated``,
 ``max_memory_allocated`` (reset each time) and ``memory_reserved``. ``--oom_at`` injects an out-of-memory
 error into the gradient walk of those steps (trl_dta/testing/oom.py): the walk is run again with halved
-budgets (trl_dta/walk/recovery.py), and the step's time against the median is the cost of a retry.
+budgets (trl_dta/walk/memory/recovery.py), and the step's time against the median is the cost of a retry.
 
 Output: ``soak_<mode>.json`` in ``--out`` (samples, per-step times, the growth after warm-up: the RSS at the
 last sample minus at ``--warmup``, and the least-squares slope in KiB per step), a line per sample, and with
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from trl_dta.testing.oom import InjectOOM  # noqa: E402
-from trl_dta.walk import peak as walk_peak  # noqa: E402
+from trl_dta.walk.memory import peak as walk_peak  # noqa: E402
 
 
 def status_mib(key: str) -> float | None:

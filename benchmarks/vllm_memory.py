@@ -13,7 +13,7 @@ tokens of ``2 x layers x kv_heads x head_dim x 2`` bytes (bf16).
 
 * ``--paper`` (any machine, no model built): the two peaks by the project's memory model on the
   ``tau2-2x8-10k`` step (docs/benchmarks.md; rows of 9.7-10.8k tokens), bf16 autocast over fp32 master
-  weights (the GPU config): the walk's by :func:`trl_dta.walk.budgets.activation_bytes` (what
+  weights (the GPU config): the walk's by :func:`trl_dta.walk.memory.budgets.activation_bytes` (what
   ``token_budgets`` plans with), at the budgets of a few configurations; dense + checkpointing as TRL runs
   it: micro-batches of ``per_device_train_batch_size`` rows padded to the longest, each decoder layer's
   float32 input kept, one layer's graph rebuilt at a time, TRL's chunked LM head (its input and a few
@@ -42,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
-from trl_dta.walk import peak as peak_stats  # noqa: E402
-from trl_dta.walk.budgets import activation_bytes  # noqa: E402
 from trl_dta.walk.heads import HEAD_ROWS  # noqa: E402
-from trl_dta.walk.memory_model import plan_peak  # noqa: E402
+from trl_dta.walk.memory import peak as peak_stats  # noqa: E402
+from trl_dta.walk.memory.budgets import activation_bytes  # noqa: E402
+from trl_dta.walk.memory.memory_model import plan_peak  # noqa: E402
 from trl_dta.walk.plan import build_plan  # noqa: E402
 from trl_dta.walk.scoring import scored_from  # noqa: E402
 
@@ -80,8 +80,9 @@ def walk_peak(
     """The walk's activation peak at these budgets (bytes), under bf16 autocast over float32 weights (the GPU
     config): values-only entropies (TRL's default: no entropy bonus). Without ``trie``, the memory model
     ``token_budgets`` plans with (every token counted as scored, the path as long as the block); with it,
-    that model applied to the walk's plan step by step (``trl_dta.walk.memory_model.plan_peak``: the plan of
-    the fixed budgets, its calls' ``attention``). Both add autocast's bf16 copies of the weights and, with
+    that model applied to the walk's plan step by step (``trl_dta.walk.memory.memory_model.plan_peak``: the
+    plan of the fixed budgets, its calls' ``attention``). Both add autocast's bf16 copies of the weights and,
+    with
     ``gradients_held`` (gradients allocated before the walk, as ``measured`` does; TRL's first micro-batch of
     a step has none), the fresh float32 gradients the walk accumulates into before adding them."""
     per = activation_bytes(config, torch.bfloat16, entropy_grad=False, autocast=True)

@@ -59,7 +59,7 @@ from recipe_utils.arguments import Tau2Arguments, setup_logging  # noqa: E402
 from recipe_utils.offline_model import OFFLINE_SMOLLM2  # noqa: E402
 
 from trl_dta import AsyncTreePPOConfig  # noqa: E402
-from trl_dta.walk.checks import SUPPORTED_ATTENTION  # noqa: E402
+from trl_dta.walk.adapter.checks import SUPPORTED_ATTENTION  # noqa: E402
 
 logger = logging.getLogger("ppo_tau2")
 

@@ -77,7 +77,7 @@ def _count_collectives() -> None:
                  "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_base",
                  "all_gather_coalesced"):  # fmt: skip
         counting(TorchBackend, name, f"deepspeed.{name}")
-    from trl_dta.walk import deepspeed as zero
+    from trl_dta.walk.distributed import deepspeed as zero
     from trl_dta.walk.executor import TreeExecutor
 
     def phase(name, original):
@@ -225,7 +225,7 @@ def full_parameters_unwrapped(trainer) -> dict[str, torch.Tensor]:
 def describe_sharding(trainer) -> dict:
     """What the preparation did: FSDP2's units, ZeRO-3's partitioned parameters, the reference model's."""
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    from trl_dta.walk.sharding import fsdp_units
+    from trl_dta.walk.distributed.sharding import fsdp_units
 
     info = {
         "fsdp_units": [type(u).__name__ for u in fsdp_units(model)],

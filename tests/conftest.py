@@ -96,8 +96,8 @@ def _eager_in_input_dtype(module, query, key, value, attention_mask, scaling, dr
 
 @pytest.fixture(autouse=True)
 def _cost_cache(tmp_path_factory, monkeypatch):
-    """Each test keeps fitted call costs in a directory of its own (trl_dta/walk/cost_cache.py): none is read
-    from the user's cache or left there, and no test starts from another's fit."""
+    """Each test keeps fitted call costs in a directory of its own (trl_dta/walk/cost/cost_cache.py): none is
+    read from the user's cache or left there, and no test starts from another's fit."""
     monkeypatch.setenv("TRL_DTA_CACHE_DIR", str(tmp_path_factory.mktemp("cost_cache")))
 
 

@@ -24,7 +24,7 @@ from sharded_worker import build, dense_reference, loss_for, tries  # noqa: E402
 from trl_dta import PrefixTrie, TreeExecutor, lexicographic_partition  # noqa: E402
 from trl_dta.compare import relative_error  # noqa: E402
 from trl_dta.testing.torchrun import exit_worker  # noqa: E402
-from trl_dta.walk import deepspeed as zero  # noqa: E402
+from trl_dta.walk.distributed import deepspeed as zero  # noqa: E402
 
 # case -> (model, ZeRO stage, idle last rank, out of memory on rank 0 in each step's second walk)
 CASES = {

@@ -44,7 +44,7 @@ CASES = {
     "qwen3-idle-rank": ("qwen3", {"idle": True}),
     "qwen3-per-layer-idle-rank": ("qwen3", {"gather_per_layer": True, "block_size": 4, "idle": True}),
     # out of memory on one rank only: rank 0 at the 2nd forward of its gradient walks, rank 1 at the 1st of
-    # its log-prob walks (trl_dta/walk/recovery.py): every rank walks again, nothing reduced before
+    # its log-prob walks (trl_dta/walk/memory/recovery.py): every rank walks again, nothing reduced before
     "qwen3-oom-rank0": ("qwen3", {"block_size": 4, "batch_tokens": 6, "oom": {"backward": 0, "logprobs": 1}}),
 }
 

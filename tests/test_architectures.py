@@ -21,8 +21,8 @@ import torch
 
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.testing import architectures, exactness
-from trl_dta.walk.cache import HAS_STATE_API, STATE_API_VERSION
-from trl_dta.walk.model import CausalLM
+from trl_dta.walk.adapter.cache import HAS_STATE_API, STATE_API_VERSION
+from trl_dta.walk.adapter.model import CausalLM
 
 # case -> (verdict, what happens to sequences longer than the window, sibling leaves packed, reason)
 EXACT, WINDOWED, PADDED, REFUSED = "exact", "refused", False, "refused"
@@ -99,7 +99,7 @@ def test_probe_does_not_refuse_fp64_eager_for_hf_fp32_casts():
 
 
 def test_packing_fallback_is_logged(caplog):
-    with caplog.at_level(logging.INFO, logger="trl_dta.walk.probe"):
+    with caplog.at_level(logging.INFO, logger="trl_dta.walk.adapter.probe"):
         TreeExecutor(architectures.build("mpt", torch.float32, "eager"))
     assert "padded batch" in caplog.text
 
@@ -109,7 +109,7 @@ def test_gradient_checkpointing_warning_once(caplog):
     model.gradient_checkpointing_enable()
     executor = TreeExecutor(model)
     trie = PrefixTrie.from_sequences([[3, 4, 5], [3, 4, 6, 7]])
-    with caplog.at_level(logging.WARNING, logger="trl_dta.walk.model"):
+    with caplog.at_level(logging.WARNING, logger="trl_dta.walk.adapter.model"):
         for _ in range(3):
             executor.backward(trie, lambda i, lp, ent: lp.sum())
     assert sum("Gradient checkpointing is on" in r.message for r in caplog.records) == 1

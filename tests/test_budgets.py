@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.testing.memory import SavedTensorMeter
-from trl_dta.walk.budgets import (
+from trl_dta.walk.memory.budgets import (
     AUTO_FRACTION,
     FIXED,
     MIN_CALL_TOKENS,
@@ -234,8 +234,8 @@ def _resident() -> int:
 
 
 def test_peak_memory_is_reported_after_a_walk():
-    """CPU: the process's resident set size at the walk's high points (trl_dta/walk/peak.py), sampled from
-    its start: at least what was resident when it started; set by every walk."""
+    """CPU: the process's resident set size at the walk's high points (trl_dta/walk/memory/peak.py), sampled
+    from its start: at least what was resident when it started; set by every walk."""
     model = make_model("qwen3", "sdpa", seed=0)
     executor = TreeExecutor(model)
     assert executor.peak_memory is None
@@ -327,8 +327,8 @@ def test_block_mask_is_the_packed_mask(seed):
     tile by tile and pair by pair (flex's kernels need CUDA; benchmarks/gpu.sh checks its gradients)."""
     pytest.importorskip("torch.nn.attention.flex_attention")
     from trl_dta.trie import TrieNode
+    from trl_dta.walk.attention.packing import causal_block_mask, packed_block_mask, packed_mask
     from trl_dta.walk.inputs import WalkInputs
-    from trl_dta.walk.packing import causal_block_mask, packed_block_mask, packed_mask
     from trl_dta.walk.plan import PackedSubtree, Segment
 
     parents, lengths, past = _random_rows(seed)
@@ -371,7 +371,7 @@ def test_cuda_peak_read_across_walks_keeps_what_their_resets_cleared(monkeypatch
     """A walk resets CUDA's peak statistics at its start (its own tree/peak_memory_gib);
     peak.max_memory_allocated still gives the peak since the last outside reset. CUDA's counters are simulated
     (no GPU here)."""
-    from trl_dta.walk import peak
+    from trl_dta.walk.memory import peak
 
     stats = {"peak": 0}
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: stats["peak"])

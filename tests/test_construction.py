@@ -1,7 +1,8 @@
 """Every refusal that depends only on the model, its tokenizer and the arguments is raised when a trainer is
 built, by its ``__init__``, before any generation or step (trl_dta/train/refusals.py,
-trl_dta/walk/preflight.py): one test per refusal, in each trainer it applies to. A trainer that is built
-fine with the same model and settings made right shows the refusal is the setting's, not the fixture's."""
+trl_dta/walk/adapter/preflight.py): one test per refusal, in each trainer it applies to. A trainer that is
+built fine with the same model and settings made right shows the refusal is the setting's, not the
+fixture's."""
 
 from __future__ import annotations
 
@@ -202,7 +203,7 @@ def test_a_reference_model_is_checked_too(tmp_path, model_dir, custom_attention,
 def test_a_model_not_yet_on_its_device_is_checked_without_forwards():
     """Under DeepSpeed or FSDP a model loaded on the CPU reaches its GPU only when the Trainer prepares it:
     its structure is checked when built, the probe's forwards wait for the first walk, on the device."""
-    from trl_dta.walk.preflight import preflight
+    from trl_dta.walk.adapter.preflight import preflight
 
     preflight(tiny_model(attn="flex_attention"), probe=False)  # (flex attention runs on CUDA)
     with pytest.raises(UnsupportedModelError, match="my_attention"):
@@ -215,9 +216,9 @@ def test_the_first_walk_takes_the_verdict_of_the_construction_probe(monkeypatch)
     """A trainer probes its models when it is built; the executor built at its first step takes that verdict
     instead of probing again, once, and probes again where the model changed in between (cast, another
     attention backend, modules added)."""
-    import trl_dta.walk.model as walk_model
+    import trl_dta.walk.adapter.model as walk_model
     from trl_dta import TreeExecutor
-    from trl_dta.walk.preflight import preflight
+    from trl_dta.walk.adapter.preflight import preflight
 
     probes = []
     real = walk_model.run_probe

@@ -1,7 +1,7 @@
-"""The walk's DeepSpeed side (trl_dta/walk/deepspeed.py) on one process, with a stand-in engine that records
-what the walk asks of it: one coalesced reduction per walk or per step, never two before ``engine.step()``,
-nested walks, state after a failed walk, and what is refused. The real engines, on 2 processes against stock
-TRL, are in tests/test_accelerate_sharded.py."""
+"""The walk's DeepSpeed side (trl_dta/walk/distributed/deepspeed.py) on one process, with a stand-in engine
+that records what the walk asks of it: one coalesced reduction per walk or per step, never two before
+``engine.step()``, nested walks, state after a failed walk, and what is refused. The real engines, on 2
+processes against stock TRL, are in tests/test_accelerate_sharded.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from conftest import make_model, max_rel_diff
 
 from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError
 from trl_dta.testing.torchrun import run_workers
-from trl_dta.walk import deepspeed as zero
+from trl_dta.walk.distributed import deepspeed as zero
 
 SEQS = [[1, 5, 9, 4, 7], [1, 5, 9, 8], [1, 5, 2, 2, 6, 3]]
 

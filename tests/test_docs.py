@@ -47,7 +47,7 @@ def _logged_metrics() -> set[str]:
     """The metric names the library logs, read from its source: string literals under
     :data:`METRIC_PREFIXES`, and the step seam's names ``f"{p}suffix"`` under each of :data:`STEP_PREFIXES`;
     the one computed suffix, ``f"{p}{name}"``, is a budget of ``Budgets.metrics()``."""
-    from trl_dta.walk.budgets import Budgets, TokenBudgets
+    from trl_dta.walk.memory.budgets import Budgets, TokenBudgets
 
     budgets = Budgets()
     budgets.use(TokenBudgets(*range(1, len(dataclasses.fields(TokenBudgets)) + 1)))

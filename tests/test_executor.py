@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError
-from trl_dta.walk.cache import PathLayer
-from trl_dta.walk.costs import CallCost
+from trl_dta.walk.adapter.cache import PathLayer
+from trl_dta.walk.cost.costs import CallCost
 from trl_dta.walk.path_kv import PathKV
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
@@ -176,7 +176,7 @@ def test_path_kv_layer_run_only_without_gradients():
 
 def test_probe_rejects_an_ignored_cache(monkeypatch):
     """A model that swallows the cache keyword (as transformers 5.17 does with `cache=`) is refused."""
-    from trl_dta.walk.model import CausalLM
+    from trl_dta.walk.adapter.model import CausalLM
 
     model = make_model("qwen3", "sdpa")
     monkeypatch.setattr(CausalLM, "_cache_keyword", lambda self: "unused_cache_keyword")

@@ -103,7 +103,7 @@ def test_probe_catches_a_logit_transform_not_reproduced():
 def test_a_model_failing_on_a_given_cache_is_refused_by_type(monkeypatch):
     """Whatever a model raises on the walk's cache becomes an UnsupportedModelError naming the failure; the
     walk's own refusals pass through unchanged (told apart by type, not by where they were raised)."""
-    from trl_dta.walk.model import CausalLM
+    from trl_dta.walk.adapter.model import CausalLM
 
     forward = CausalLM.forward
 

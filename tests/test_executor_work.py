@@ -179,7 +179,7 @@ def test_call_counts_are_the_model_calls():
 def test_flop_ideal_matches_a_count_over_unique_prefixes():
     """dense / walk FLOPs (tree/flop_ratio): the walk's side counted by brute force over distinct prefixes
     (each token once, at its position) and distinct (context, target) pairs the LM head scores."""
-    from trl_dta.walk.flops import per_token_costs
+    from trl_dta.walk.cost.flops import per_token_costs
 
     model = make_model("qwen3", "sdpa", dtype=torch.float32)
     seqs = sequences()

@@ -13,8 +13,8 @@ import torch
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.testing import flash_parity
 from trl_dta.testing.varlen import flash_on_cpu, reference_varlen_attn
-from trl_dta.walk import flash
-from trl_dta.walk.segment_layout import SegmentLayout
+from trl_dta.walk.attention import flash
+from trl_dta.walk.attention.segment_layout import SegmentLayout
 
 SCALE = 0.0625  # (the scenarios' lengths: 32-100 tokens a sequence on the tiny model)
 

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from test_executor import shared_prefix_sequences
 
 from trl_dta import PrefixTrie, TreeExecutor
-from trl_dta.walk.costs import CallCost
+from trl_dta.walk.cost.costs import CallCost
 from trl_dta.walk.heads import HiddenStates, LogProbs, Values, chunked
-from trl_dta.walk.memory_model import activation_bytes
+from trl_dta.walk.memory.memory_model import activation_bytes
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")
 TIGHT = 1e-10

@@ -24,7 +24,7 @@ from test_executor import loss_fn_for, shared_prefix_sequences
 
 from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError
 from trl_dta.compare import relative_error
-from trl_dta.walk.cache import HAS_STATE_API, STATE_API_VERSION
+from trl_dta.walk.adapter.cache import HAS_STATE_API, STATE_API_VERSION
 
 # Before transformers 5.21 (the floor CI job runs 5.17) models read carried states from the cache's layers:
 # refused by the probe, naming the version (test_old_transformers_names_the_version)
@@ -142,7 +142,7 @@ def test_backward_and_logprobs_match_dense(family, seqs, block_size, batch_token
 def test_one_token_nodes_are_forwarded_with_their_children(family, block_size, monkeypatch):
     """One-token trie nodes (shared first answer token, a sequence ending there) on a carried state: never
     forwarded alone (the model's decode kernels may differ), exact."""
-    from trl_dta.walk.model import CausalLM
+    from trl_dta.walk.adapter.model import CausalLM
 
     model = cached(family)
     seqs = ONE_TOKEN_NODES
@@ -196,7 +196,7 @@ def test_state_not_carried_is_refused():
 
 
 def test_unknown_state_layer_kind_is_refused():
-    from trl_dta.walk.checks import check_stateful_layers
+    from trl_dta.walk.adapter.checks import check_stateful_layers
 
     config = SimpleNamespace(num_hidden_layers=2, layer_types=["rwkv", "full_attention"])
     with pytest.raises(UnsupportedModelError, match="rwkv"):

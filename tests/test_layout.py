@@ -1,5 +1,7 @@
 """The code's layout, as docs/development.md states it, read from the source (``ast``: nothing imported):
-data flows one way (``walk/`` imports nothing of ``train/`` or TRL); in ``train/`` each method is a folder
+data flows one way (``walk/`` imports nothing of ``train/`` or TRL); ``walk/`` is a core and a folder per
+concern whose modules never import the core's loop, and the trainers use the walk through its executor and
+options only; in ``train/`` each method is a folder
 that imports the shared seam at ``train/``'s root, the seam imports no method, and no module of the package
 imports itself through a cycle (deferred and annotation-only imports included); no library file is over 400
 lines, and none switches the formatter off."""
@@ -62,6 +64,44 @@ def test_walk_knows_nothing_of_train_or_trl():
         if name.startswith("trl_dta.walk"):
             bad = {m for m in imports(path) if m.split(".")[0] == "trl" or m.startswith("trl_dta.train")}
             assert not bad, f"{name} imports {sorted(bad)}"
+
+
+# walk/: its core at its root, a folder per concern around it (docs/development.md). The loop that runs a walk
+# is the core's; the rooms serve it and never import it.
+WALK_ROOMS = ("attention", "memory", "cost", "distributed", "adapter")
+WALK_LOOP = {f"trl_dta.walk.{m}" for m in ("executor", "steps", "state", "forwards", "inputs")}
+# What the trainers (train/, vllm/) may use of the walk: the executor and its options, what it refuses, the
+# memory and cost options they expose, the model adapter's checks. Never how a call attends, the path's K/V,
+# a walk's state or its steps: the trainer knows nothing of KV caches.
+TRAINERS_MAY_USE = {
+    "trl_dta.walk.executor", "trl_dta.walk.errors", "trl_dta.walk.heads", "trl_dta.walk.router",
+    "trl_dta.walk.scoring", "trl_dta.walk.adapter.checks", "trl_dta.walk.adapter.determinism",
+    "trl_dta.walk.adapter.model", "trl_dta.walk.adapter.preflight", "trl_dta.walk.cost.cost_model",
+    "trl_dta.walk.cost.costs", "trl_dta.walk.distributed.deepspeed", "trl_dta.walk.distributed.sharding",
+    "trl_dta.walk.memory.budgets", "trl_dta.walk.memory.memory_budget", "trl_dta.walk.memory.memory_model",
+    "trl_dta.walk.memory.recovery",
+}  # fmt: skip
+
+
+def walk_room(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "walk" and parts[2] in WALK_ROOMS else None
+
+
+def test_walk_is_a_core_and_rooms_that_never_import_the_loop():
+    folders = {p.name for p in (PACKAGE / "walk").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == set(WALK_ROOMS), "a new folder of walk/ is a room: name it here and in development.md"
+    for name, path in MODULES.items():
+        if walk_room(name) is not None:
+            loop = _all_imports(path) & WALK_LOOP
+            assert not loop, f"{name} (walk/{walk_room(name)}/) imports the walk's loop: {sorted(loop)}"
+
+
+def test_the_trainers_use_the_walk_through_its_executor_and_options_only():
+    for name, path in MODULES.items():
+        if name.startswith(("trl_dta.train", "trl_dta.vllm")):
+            used = {d for d in _all_imports(path) if d.startswith("trl_dta.walk.")}
+            assert used <= TRAINERS_MAY_USE, f"{name} uses walk internals: {sorted(used - TRAINERS_MAY_USE)}"
 
 
 def test_the_seam_imports_no_method_and_a_method_imports_no_other_but_the_critic():

@@ -2,10 +2,10 @@
 
 Each measured walk is rebuilt on this CPU (the same shape, budgets and plan: the plan as the CUDA constants
 of that run built it) and the models evaluated on it: the walk's activation memory step by step
-(``trl_dta.walk.memory_model.plan_peak``, with the bytes that run's setting adds: autocast's weight copies,
-the walk's gradients), dense + gradient checkpointing's (``benchmarks/vllm_memory.py``), and the walk's time
-by the shipped CUDA constants (``trl_dta.walk.costs.DEVICE_COSTS``). Each must land within 20% of the GPU's
-figure.
+(``trl_dta.walk.memory.memory_model.plan_peak``, with the bytes that run's setting adds: autocast's weight
+copies, the walk's gradients), dense + gradient checkpointing's (``benchmarks/vllm_memory.py``), and the
+walk's time by the shipped CUDA constants (``trl_dta.walk.cost.costs.DEVICE_COSTS``). Each must land within
+20% of the GPU's figure.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from peer_bench.workloads import MODELS, approx_params, shapes_for  # benchmarks
 from transformers import Qwen3Config
 
 from trl_dta import PrefixTrie
-from trl_dta.walk.costs import CallCost
-from trl_dta.walk.memory_model import activation_bytes, plan_peak
+from trl_dta.walk.cost.costs import CallCost
+from trl_dta.walk.memory.memory_model import activation_bytes, plan_peak
 from trl_dta.walk.plan import build_plan, plan_seconds
 from trl_dta.walk.scoring import scored_from
 

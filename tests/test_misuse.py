@@ -23,7 +23,7 @@ from transformers import (
 )
 
 from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError, lexicographic_partition
-from trl_dta.walk.determinism import disable_randomness, stochastic_settings
+from trl_dta.walk.adapter.determinism import disable_randomness, stochastic_settings
 from trl_dta.walk.plan import build_plan
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64

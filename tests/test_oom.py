@@ -1,7 +1,7 @@
-"""Running out of memory (trl_dta/walk/recovery.py): an out-of-memory error injected at the k-th model call
-of a walk (trl_dta/testing/oom.py) is recovered within the walk, with the gradients of an uninjected walk;
-one in the construction probe is raised as what it is, never as a refusal of the model. The 2-process FSDP2
-case is in tests/test_sharded.py (tests/sharded_worker.py, case ``qwen3-oom-rank0``)."""
+"""Running out of memory (trl_dta/walk/memory/recovery.py): an out-of-memory error injected at the k-th model
+call of a walk (trl_dta/testing/oom.py) is recovered within the walk, with the gradients of an uninjected
+walk; one in the construction probe is raised as what it is, never as a refusal of the model. The 2-process
+FSDP2 case is in tests/test_sharded.py (tests/sharded_worker.py, case ``qwen3-oom-rank0``)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from trl_dta.testing.grpo import (
 from trl_dta.testing.oom import InjectOOM
 from trl_dta.testing.sft import make_sft_config, tool_conversations
 from trl_dta.walk.errors import WalkOutOfMemoryError
-from trl_dta.walk.recovery import OOMRecovery
+from trl_dta.walk.memory.recovery import OOMRecovery
 
 BUDGETS = dict(block_size=4, batch_tokens=6)  # chunked backward (pops recompute) and small leaf batches
 # A retried walk against an uninjected one of the same plan on the same inputs: the same fp32 operations in

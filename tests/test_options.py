@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from trl_dta import AsyncTreePPOConfig, TreePPOConfig, TreeSFTConfig
-from trl_dta.walk.budgets import AUTO_FRACTION, Budgets
-from trl_dta.walk.memory_budget import memory_share, parse_memory_budget
+from trl_dta.walk.memory.budgets import AUTO_FRACTION, Budgets
+from trl_dta.walk.memory.memory_budget import memory_share, parse_memory_budget
 
 REPO = Path(__file__).resolve().parent.parent
 CPU = () if torch.cuda.is_available() else ("--bf16", "false")

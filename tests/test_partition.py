@@ -106,7 +106,7 @@ def test_sampler_yields_this_ranks_part():
 def test_the_partition_balances_by_fitted_call_costs():
     """With call costs whose attention dominates, long sequences weigh more than their tokens: the parts'
     largest predicted cost is at most the token-balanced split's, by that cost."""
-    from trl_dta.walk.costs import CallCost
+    from trl_dta.walk.cost.costs import CallCost
 
     rng = random.Random(5)
     seqs = [[rng.randrange(1, 50)] + [7] * rng.choice([20, 30, 400, 600]) for _ in range(24)]

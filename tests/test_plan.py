@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_dta.trie import PrefixTrie
-from trl_dta.walk.costs import CallCost
+from trl_dta.walk.cost.costs import CallCost
 from trl_dta.walk.plan import (
     LAUNCH_PRICES,
     MIN_GAIN,

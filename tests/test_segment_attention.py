@@ -1,5 +1,5 @@
-"""Attention per segment (trl_dta/walk/segment_attention.py, segment_layout.py): each segment against only
-the keys it sees.
+"""Attention per segment (trl_dta/walk/attention/segment_attention.py, segment_layout.py): each segment
+against only the keys it sees.
 
 Every kernel of it against the row's masked sdpa call (fp64, random rows, GQA or not): the sdpa path per
 segment and per row, and the flash path with a stand-in of torch's varlen kernel (trl_dta/testing/varlen.py:
@@ -27,10 +27,10 @@ from trl_dta.testing.varlen import (
     reference_varlen_attn,
     reference_varlen_attn_gqa,
 )
-from trl_dta.walk import flash as flash_kernel
-from trl_dta.walk import segment_attention as sa
-from trl_dta.walk.costs import CallCost
-from trl_dta.walk.packing import PackedRow, packed_mask
+from trl_dta.walk.attention import flash as flash_kernel
+from trl_dta.walk.attention import segment_attention as sa
+from trl_dta.walk.attention.packing import PackedRow, packed_mask
+from trl_dta.walk.cost.costs import CallCost
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")
 KERNELS = ["sdpa per segment", "sdpa row", "flash 2.11", "flash 2.12"]

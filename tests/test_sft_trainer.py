@@ -17,7 +17,7 @@ from trl_dta import TreeSFTConfig, TreeSFTTrainer
 from trl_dta.compare import relative_error
 from trl_dta.testing.grpo import GradRecorder, tiny_model, tiny_tokenizer
 from trl_dta.testing.sft import make_sft_config, per_turn_samples, prompt_completion, tool_conversations
-from trl_dta.walk.cache import HAS_STATE_API, STATE_API_VERSION
+from trl_dta.walk.adapter.cache import HAS_STATE_API, STATE_API_VERSION
 
 TOL = 1e-4
 METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens")

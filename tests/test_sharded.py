@@ -3,7 +3,8 @@
 * The executor on 2 and 4 processes (tests/sharded_worker.py): each rank walks its lexicographic part of
   random tries; the full sharded gradients equal the dense per-sequence gradients of all ranks' sequences
   averaged over ranks (FSDP2's reduction). By default FSDP2 gathers and reduce-scatters once per unit per
-  walk; with ``gather_per_layer`` the counts follow the lock-step's rounds (trl_dta/walk/lockstep.py).
+  walk; with ``gather_per_layer`` the counts follow the lock-step's rounds
+  (trl_dta/walk/distributed/lockstep.py).
 * The trainer (tests/fsdp_trainer_worker.py): TreePPOTrainer on a sharded model against stock
   GRPOTrainer on the same model unsharded, 2 optimizer steps with clipping, gradient accumulation 2.
 """

@@ -15,9 +15,9 @@ from torch import nn
 from transformers import Qwen3Config, Qwen3ForSequenceClassification, Qwen3ForTokenClassification
 
 from trl_dta import PrefixTrie, TreeExecutor, UnsupportedModelError
-from trl_dta.walk.budgets import token_budgets
-from trl_dta.walk.costs import CallCost
-from trl_dta.walk.flops import per_token_costs
+from trl_dta.walk.cost.costs import CallCost
+from trl_dta.walk.cost.flops import per_token_costs
+from trl_dta.walk.memory.budgets import token_budgets
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")  # HF's float32 casts kept in float64
 
@@ -184,7 +184,7 @@ def test_causal_lm_unchanged():
 def test_head_dropout_refused_in_training_until_disabled():
     """A token-classification model's dropout before its head (0.1 by default) would differ between a shared
     prefix and dense forwards: refused in train mode, exact once switched off."""
-    from trl_dta.walk.determinism import disable_randomness
+    from trl_dta.walk.adapter.determinism import disable_randomness
 
     model = make_critic()
     model.dropout.p = 0.1  # (transformers' default where the config sets none)

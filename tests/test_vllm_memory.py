@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trl_dta.vllm.memory import colocated_reserved_bytes
-from trl_dta.walk.budgets import auto_memory_bytes
+from trl_dta.walk.memory.budgets import auto_memory_bytes
 
 CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
 GB = 10**9

@@ -61,9 +61,9 @@ def _runs(starts_cost: np.ndarray, cum: np.ndarray, threshold: int, n: int) -> l
 
 def _weighted(lengths: np.ndarray, lcp: np.ndarray, costs) -> tuple[np.ndarray, np.ndarray]:
     """(cost of a run's first sequence, cost each next one adds) by the call costs ``costs`` (a
-    :class:`~trl_dta.walk.costs.CallCost`, fitted on the device: :mod:`trl_dta.walk.cost_model`), in integer
-    units: its new tokens, their attention pairs on its path (every earlier position) and one call's fixed
-    cost (a new trie node is about one call). A run's cost still only grows when it is extended, so the
+    :class:`~trl_dta.walk.cost.costs.CallCost`, fitted on the device: :mod:`trl_dta.walk.cost.cost_model`), in
+    integer units: its new tokens, their attention pairs on its path (every earlier position) and one call's
+    fixed cost (a new trie node is about one call). A run's cost still only grows when it is extended, so the
     search below is unchanged."""
 
     def seconds(new_from: np.ndarray) -> np.ndarray:
@@ -89,9 +89,9 @@ def lexicographic_partition(
     ``num_parts``; with fewer sequences than parts, each of the first ``len(sequences)`` parts gets one and
     the remaining parts are empty.
 
-    ``costs``: a :class:`~trl_dta.walk.costs.CallCost` (the fitted one of the device that walks the parts:
-    :meth:`TreeExecutor.fitted_costs`), to balance the parts' predicted walk time instead of their unique
-    tokens (:func:`_weighted`); every rank must pass the same one (one rank's, broadcast).
+    ``costs``: a :class:`~trl_dta.walk.cost.costs.CallCost` (the fitted one of the device that walks the
+    parts: :meth:`TreeExecutor.fitted_costs`), to balance the parts' predicted walk time instead of their
+    unique tokens (:func:`_weighted`); every rank must pass the same one (one rank's, broadcast).
     """
     if num_parts < 1:
         raise ValueError(f"num_parts must be >= 1, got {num_parts}")

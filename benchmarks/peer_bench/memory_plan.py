@@ -22,7 +22,7 @@ column): what one training step of a method holds on the device at its peak, aga
   - ``tree_mask``: every unique token, the ancestor mask (bool once, additive per layer);
   - ``trl_packing``: every unique token, each segment's gathered path K/V per layer;
   - ``tree`` (the walk, TreeExecutor's defaults): the library's own memory model
-    (``trl_dta.walk.memory_model``, checked within 20% of the first GPU run's walks by
+    (``trl_dta.walk.memory.memory_model``, checked within 20% of the first GPU run's walks by
     ``tests/test_memory_model.py``) on the plan the walk builds on that card: ``memory_budget="auto"``'s
     budgets from the card's memory less the weights, gradients and AdamW states, the CUDA cost model with
     attention per segment through the flash kernel; its peak step by step (``plan_peak``). Its floor: the
@@ -44,9 +44,9 @@ import torch
 from transformers import Qwen3Config
 
 from trl_dta import PrefixTrie
-from trl_dta.walk.costs import CallCost
-from trl_dta.walk.memory_budget import AUTO_FRACTION
-from trl_dta.walk.memory_model import activation_bytes, plan_peak, token_budgets
+from trl_dta.walk.cost.costs import CallCost
+from trl_dta.walk.memory.memory_budget import AUTO_FRACTION
+from trl_dta.walk.memory.memory_model import activation_bytes, plan_peak, token_budgets
 from trl_dta.walk.plan import build_plan
 from trl_dta.walk.scoring import scored_from
 

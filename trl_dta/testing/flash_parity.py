@@ -7,7 +7,8 @@ max|b| per gradient tensor, the largest: :func:`~trl_dta.compare.relative_error`
 
 * ``flash``: the walk attending per segment with the flash kernel (torch's ``varlen_attn`` on CUDA; the
   stand-in on a CPU);
-* ``sdpa``: the same walk, the same plan, attending per segment through sdpa (:func:`trl_dta.walk.flash.
+* ``sdpa``: the same walk, the same plan, attending per segment through sdpa
+(:func:`trl_dta.walk.attention.flash.
   use_flash` off);
 * ``dense``: the model's own bf16 forward and backward, one sequence at a time.
 
@@ -43,7 +44,7 @@ import torch
 
 from ..compare import relative_error
 from ..trie import PrefixTrie
-from ..walk import flash
+from ..walk.attention import flash
 from ..walk.executor import TreeExecutor
 from .varlen import flash_on_cpu, reference_varlen_attn, reference_varlen_attn_gqa
 

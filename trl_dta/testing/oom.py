@@ -1,6 +1,6 @@
 """Running out of memory on purpose: :class:`InjectOOM` raises ``torch.OutOfMemoryError`` at the k-th call
 of a module (decoder layer 0 sees every model call once), for the tests and benchmarks of
-:mod:`trl_dta.walk.recovery`.
+:mod:`trl_dta.walk.memory.recovery`.
 
 Example::
 

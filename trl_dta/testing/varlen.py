@@ -1,8 +1,8 @@
 """torch's flash varlen kernel stood in for on a CPU: the walk's CUDA attention path, run where no GPU is.
 
 On CUDA the walk attends per segment with ``torch.nn.attention.varlen.varlen_attn``
-(:mod:`trl_dta.walk.flash`), which has no CPU kernel. :func:`reference_varlen_attn` computes what that kernel
-computes, written plainly (each segment's queries against its keys, causal aligned bottom-right
+(:mod:`trl_dta.walk.attention.flash`), which has no CPU kernel. :func:`reference_varlen_attn` computes what
+that kernel computes, written plainly (each segment's queries against its keys, causal aligned bottom-right
 for ``window_size=(-1, 0)``), and checks its arguments as the kernel takes them (``(T, H, D)`` tensors, int32
 cumulative lengths, the longest lengths). :func:`flash_on_cpu` makes the walk take its flash path on a CPU
 with such a kernel, so that tests check that path's layout (the gathered keys, the cumulative lengths, the
@@ -20,7 +20,7 @@ import contextlib
 
 import torch
 
-from ..walk import flash
+from ..walk.attention import flash
 
 
 def _check(query, key, cu_seq_q, cu_seq_k, max_q, max_k, window_size) -> None:
@@ -168,7 +168,7 @@ def counted_varlen_attn(
 
 @contextlib.contextmanager
 def flash_on_cpu(kernel=reference_varlen_attn):
-    """Within: the walk takes its flash path (:mod:`trl_dta.walk.flash`) on any device and dtype,
+    """Within: the walk takes its flash path (:mod:`trl_dta.walk.attention.flash`) on any device and dtype,
     with ``kernel`` in place of torch's ``varlen_attn``."""
     saved = flash.varlen_attn, flash.usable
     flash.varlen_attn = kernel

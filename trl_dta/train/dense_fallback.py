@@ -1,6 +1,7 @@
 """``tree_dense_fallback``: a step whose rollouts share too little to pay for the tree takes TRL's dense path.
 
-Before a step, the fitted cost model (:mod:`trl_dta.walk.cost_model`) predicts two times for the same rows:
+Before a step, the fitted cost model (:mod:`trl_dta.walk.cost.cost_model`) predicts two times for the same
+rows:
 
 * the walk's: its plan for the step's trie, by the constants in use (:meth:`CostModel.predict`), plus a
   third of it per no-gradient pass the trainer walks before (a forward costs about a third of a forward +
@@ -42,8 +43,8 @@ from typing import NamedTuple
 import torch
 
 from ..trie import PrefixTrie
-from ..walk.cost_model import CostModel, plan_terms
-from ..walk.memory_model import activation_bytes, activation_dtype, autocast_copies
+from ..walk.cost.cost_model import CostModel, plan_terms
+from ..walk.memory.memory_model import activation_bytes, activation_dtype, autocast_copies
 from ..walk.scoring import scored_from
 from .step_clock import StepClock
 
@@ -167,11 +168,11 @@ def free_memory(device: torch.device) -> float | None:
 
 
 def dense_bytes(lm, sequences: Sequence, checkpointing: bool, shapes: Shapes = None) -> float:
-    """TRL's dense step's activation peak on ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`), by the walk's
-    memory model (:func:`~trl_dta.walk.memory_model.activation_bytes`): its largest micro-batch's padded
-    tokens (``shapes``, else its sequences padded to the longest), each keeping every layer's activations,
-    or with gradient checkpointing each layer's input and one layer's activations; the LM head's log-softmax
-    at the scored positions, its logits and their gradient while it runs."""
+    """TRL's dense step's activation peak on ``lm`` (a :class:`~trl_dta.walk.adapter.model.CausalLM`), by the
+    walk's memory model (:func:`~trl_dta.walk.memory.memory_model.activation_bytes`): its largest
+    micro-batch's padded tokens (``shapes``, else its sequences padded to the longest), each keeping every
+    layer's activations, or with gradient checkpointing each layer's input and one layer's activations; the LM
+    head's log-softmax at the scored positions, its logits and their gradient while it runs."""
     dtype, (autocast, _) = activation_dtype(lm), autocast_copies(lm)
     per = activation_bytes(lm.config, dtype, True, 1 if lm.value_head else None, autocast)
     layers, width = lm.config.num_hidden_layers, lm.config.hidden_size

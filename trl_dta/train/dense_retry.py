@@ -1,10 +1,10 @@
 """A step on TRL's dense path that runs out of memory is walked instead (``tree_dense_fallback``).
 
-The walk bounds its memory by its budgets and retries itself with halved ones (:mod:`trl_dta.walk.recovery`);
-TRL's dense path does neither. :class:`RetriesDenseSteps`, in front of a tree trainer's bases, catches an
-out-of-memory error of a training micro-batch whose step took the dense path, drops every gradient the step
-accumulated, and runs the same micro-batch again, now walking the step's micro-batches from the first: the
-gradients of a walked step (:meth:`StepWalker.give_up_dense_step
+The walk bounds its memory by its budgets and retries itself with halved ones
+(:mod:`trl_dta.walk.memory.recovery`); TRL's dense path does neither. :class:`RetriesDenseSteps`, in front of
+a tree trainer's bases, catches an out-of-memory error of a training micro-batch whose step took the dense
+path, drops every gradient the step accumulated, and runs the same micro-batch again, now walking the step's
+micro-batches from the first: the gradients of a walked step (:meth:`StepWalker.give_up_dense_step
 <trl_dta.train.step.StepWalker.give_up_dense_step>`). Where gradients were held before the step, or on
 several processes (whose dense backward reduces in lock-step), the error is raised as it is. Later steps that
 need as much memory on the dense path walk (``tree/path_reason`` 3). The micro-batch's prepared inputs are
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 
 from ..walk.errors import MEMORY_ERRORS
-from ..walk.recovery import free_memory
+from ..walk.memory.recovery import free_memory
 
 logger = logging.getLogger(__name__)
 

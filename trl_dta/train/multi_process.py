@@ -4,12 +4,15 @@ both trainers): the checks at construction (:func:`check_distributed`) and the s
 * **DDP** (multi-GPU / multi-CPU): the walk runs on the unwrapped module (no DDP hooks, which would reduce per
   call), and the gradients accumulated over the step are averaged once, after the step's last micro-batch
   (:func:`all_reduce_gradients`).
-* **FSDP2**: the walk gathers and reduce-scatters by itself (:mod:`trl_dta.walk.sharding`); only parameters
+* **FSDP2**: the walk gathers and reduce-scatters by itself (:mod:`trl_dta.walk.distributed.sharding`); only
+parameters
   left out of every FSDP2 unit are averaged here.
-* **DeepSpeed ZeRO-2 / ZeRO-3** (:mod:`trl_dta.walk.deepspeed`): the step's gradient walks run inside one
-  :class:`~trl_dta.walk.deepspeed.step_reduction` of the engine, opened at the step's first gradient walk.
-  The Trainer's ``accelerator.backward`` is routed to :meth:`StepFlow.backward`: after the step's last
-  micro-batch it closes the block (one flush: DeepSpeed reduces the gradients, averaged over ranks) and runs
+* **DeepSpeed ZeRO-2 / ZeRO-3** (:mod:`trl_dta.walk.distributed.deepspeed`): the step's gradient walks run
+inside one
+  :class:`~trl_dta.walk.distributed.deepspeed.step_reduction` of the engine, opened at the step's first
+  gradient walk. The Trainer's ``accelerator.backward`` is routed to :meth:`StepFlow.backward`: after the
+  step's last micro-batch it closes the block (one flush: DeepSpeed reduces the gradients, averaged over
+  ranks) and runs
   ``engine.step()`` (clipping to ``gradient_clipping``, which accelerate sets from ``max_grad_norm``, the
   optimizer step, the scheduler step, zeroing), as accelerate's ``DeepSpeedEngineWrapper.backward`` does
   after ``engine.backward``. ``engine.backward`` itself is never called: the loss the trainer hands back has
@@ -28,9 +31,9 @@ import torch.distributed as dist
 from accelerate.utils import DistributedType
 from torch.distributed.tensor import DTensor
 
-from ..walk import deepspeed as zero
+from ..walk.distributed import deepspeed as zero
+from ..walk.distributed.sharding import fsdp_units
 from ..walk.errors import UnsupportedModelError
-from ..walk.sharding import fsdp_units
 
 UNUSED_EXPERTS = (
     "for an MoE model under DDP without find_unused_parameters (set ddp_find_unused_parameters=True: an "
@@ -40,7 +43,8 @@ UNUSED_EXPERTS = (
 
 def check_distributed(accelerator, per_layer: bool = False) -> None:
     """Single process, DDP (multi-GPU / multi-CPU), FSDP2 and DeepSpeed ZeRO-2/3 are supported; FSDP1, FSDP
-    activation checkpointing and the DeepSpeed settings :mod:`trl_dta.walk.deepspeed` lists are refused."""
+    activation checkpointing and the DeepSpeed settings :mod:`trl_dta.walk.distributed.deepspeed` lists are
+    refused."""
     kind = accelerator.distributed_type
     if kind == DistributedType.FSDP:
         plugin = accelerator.state.fsdp_plugin
@@ -140,8 +144,8 @@ class StepFlow:
         return lambda values: max_over_ranks(values, self.accelerator.device)
 
     def dense_backward_ok(self, lm) -> bool:
-        """Whether TRL's dense backward of ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`) completes under
-        DDP: an MoE model's expert that no token of a rank reached has no gradient there, which DDP's
+        """Whether TRL's dense backward of ``lm`` (a :class:`~trl_dta.walk.adapter.model.CausalLM`) completes
+        under DDP: an MoE model's expert that no token of a rank reached has no gradient there, which DDP's
         reduction waits for unless its wrapper has ``find_unused_parameters`` (transformers turns it off under
         activation checkpointing). The walk reduces by itself: only the dense path needs it."""
         if not (self.multi_process and lm.is_moe) or self.deepspeed:

@@ -8,12 +8,12 @@ fails in seconds, not after a generation phase on a real model:
   learning (a value model's own: :func:`~trl_dta.train.critic.value_model.check_value_model`);
 * :meth:`StepWalker.check_models <trl_dta.train.step.StepWalker.check_models>`, after it (TRL loads the
   model and the tokenizer): every refusal of the walk's probe and first walk that depends only on the
-  model, the tokenizer and the arguments (:mod:`trl_dta.walk.preflight`), given the tokenizer's size
+  model, the tokenizer and the arguments (:mod:`trl_dta.walk.adapter.preflight`), given the tokenizer's size
   (:func:`tokenizer_size`) and the longest sequence the arguments allow (:func:`rollout_length` for the
   two PPO trainers; SFT's: :func:`~trl_dta.train.sft.samples.sample_length`).
 
 What is left to the first walk depends on the data (the prompts' lengths, where nothing bounds them; the
-token ids of a dataset tokenized elsewhere): :mod:`trl_dta.walk.preflight` lists it.
+token ids of a dataset tokenized elsewhere): :mod:`trl_dta.walk.adapter.preflight` lists it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from .multi_process import check_trainable
 
 class LengthBound(NamedTuple):
     """The longest sequence a trainer's arguments allow, in tokens (a lower bound where prompts are not
-    truncated), where it comes from, and the option that lowers it: what :func:`~trl_dta.walk.preflight`
-    reads."""
+    truncated), where it comes from, and the option that lowers it: what
+    :func:`~trl_dta.walk.adapter.preflight` reads."""
 
     tokens: int | None
     setting: str = ""

@@ -47,11 +47,11 @@ from collections.abc import Callable, Sequence
 import torch
 from accelerate.utils import DistributedType
 
-from ..walk.budgets import Budgets
-from ..walk.cost_model import CostModel
-from ..walk.determinism import check_deterministic, disable_randomness
+from ..walk.adapter.determinism import check_deterministic, disable_randomness
+from ..walk.adapter.preflight import preflight
+from ..walk.cost.cost_model import CostModel
 from ..walk.executor import TreeExecutor
-from ..walk.preflight import preflight
+from ..walk.memory.budgets import Budgets
 from .dense_fallback import NO_GRAD_SHARE, Prediction, checked_mode, decide, refuse_always
 from .gradient_check import GradientCheck
 from .multi_process import UNUSED_EXPERTS, StepFlow, check_distributed
@@ -135,14 +135,14 @@ class StepWalker:
     def train_together(self, *models) -> None:
         """Several models trained in the same optimizer steps, each walked by its own executor (a policy and
         its value model): each walk's ``tree_memory_budget="auto"`` leaves room for the others' gradients
-        and optimizer states too (:meth:`~trl_dta.walk.budgets.Budgets.train_with`). Call before their first
-        walk."""
+        and optimizer states too (:meth:`~trl_dta.walk.memory.budgets.Budgets.train_with`). Call before their
+        first walk."""
         self.trained = [self.accelerator.unwrap_model(m) for m in models]
 
     def reserve(self, reserved_bytes: float) -> None:
         """Bytes another user of the device claims while the walks run or right after them (a colocated vLLM
         engine): ``tree_memory_budget="auto"`` (or a percentage) takes them off the free memory it measures,
-        for every executor (:class:`~trl_dta.walk.budgets.Budgets`)."""
+        for every executor (:class:`~trl_dta.walk.memory.budgets.Budgets`)."""
         self.reserved_bytes = reserved_bytes
         for executor in self.executors.values():
             executor.budgets.reserve(reserved_bytes)
@@ -152,7 +152,7 @@ class StepWalker:
     ) -> None:
         """At the trainer's construction, after TRL's: refuse what the first walk of ``policy`` (and of
         ``others``, a reference model; None is skipped) would refuse whatever the data
-        (:mod:`trl_dta.walk.preflight`: the model's structure and the probe, ``tokenizer``'s size, the
+        (:mod:`trl_dta.walk.adapter.preflight`: the model's structure and the probe, ``tokenizer``'s size, the
         longest sequence the arguments allow), then ``disable_dropout`` (:meth:`disable_randomness`), or,
         without it, refuse randomness left on in the policy, by setting and by behaviour."""
         unwrap = self.accelerator.unwrap_model

@@ -14,12 +14,12 @@ import os
 import textwrap
 from dataclasses import dataclass, field
 
-from ..walk.budgets import Budgets
-from ..walk.checks import check_count
+from ..walk.adapter.checks import check_count
 from ..walk.errors import ArgumentTypeError
-from ..walk.memory_budget import parse_memory_budget
+from ..walk.memory.budgets import Budgets
+from ..walk.memory.memory_budget import parse_memory_budget
 
-COST_FITS = ("auto", "reset", "frozen", "off")  # tree_cost_fit (trl_dta.walk.cost_model)
+COST_FITS = ("auto", "reset", "frozen", "off")  # tree_cost_fit (trl_dta.walk.cost.cost_model)
 DENSE_FALLBACKS = ("auto", "never", "always")  # tree_dense_fallback (trl_dta.train.dense_fallback)
 _TITLE = "AReaL-DTA: Dynamic Tree Attention for Efficient Reinforcement Learning of Large Language Models"
 PAPER = {
@@ -45,20 +45,20 @@ class TreeArguments:
     Args:
         tree_memory_budget (`float`, `str` or `None`, defaults to `"auto"`):
             Bytes of activation memory the walk may use; its token budgets (the three below, unless given) are
-            derived from it for each step's trie (`trl_dta.walk.budgets`): first the graph of the trie's
-            longest path, so that nothing is forwarded twice, then the largest calls that fit. `"auto"`: on
-            CUDA, 90% of the free memory at the first walk less what the first optimizer step will still
-            allocate (gradients, two Adam states) and what a colocated vLLM engine will claim; on CPU, the
-            fixed budgets measured fastest on a 2-core machine (block 2048, leaf batch 2048, subtree 512).
-            `None`: those fixed budgets everywhere. Accepted as typed in Python, a YAML file or on the command
-            line (strings case-insensitive, a space before the unit allowed): `"auto"`; `None`, `"none"` or
-            `"null"`; a number of bytes (`6e10`, `"8000000000"`); bytes with a decimal unit (`"8GB"`,
-            `"1.5TB"`, `"512MB"`: powers of 1000) or a binary one (`"8GiB"`, `"512MiB"`: powers of 1024); or
-            a percentage (`"80%"`, at most 100): `"auto"` with that share of the free memory instead of 90%
-            (on CUDA: the device memory free at the first walk, less the same; off CUDA, as `"auto"`, the
-            fixed budgets: give bytes to derive the budgets from a CPU's memory). Read by
-            :func:`~trl_dta.walk.memory_budget.parse_memory_budget`: bytes are kept as a float, a percentage
-            as its string (`"80%"`). docs/memory.md has the memory model.
+            derived from it for each step's trie (`trl_dta.walk.memory.budgets`): first the graph of the
+            trie's longest path, so that nothing is forwarded twice, then the largest calls that fit.
+            `"auto"`: on CUDA, 90% of the free memory at the first walk less what the first optimizer step
+            will still allocate (gradients, two Adam states) and what a colocated vLLM engine will claim; on
+            CPU, the fixed budgets measured fastest on a 2-core machine (block 2048, leaf batch 2048, subtree
+            512). `None`: those fixed budgets everywhere. Accepted as typed in Python, a YAML file or on the
+            command line (strings case-insensitive, a space before the unit allowed): `"auto"`; `None`,
+            `"none"` or `"null"`; a number of bytes (`6e10`, `"8000000000"`); bytes with a decimal unit
+            (`"8GB"`, `"1.5TB"`, `"512MB"`: powers of 1000) or a binary one (`"8GiB"`, `"512MiB"`: powers of
+            1024); or a percentage (`"80%"`, at most 100): `"auto"` with that share of the free memory instead
+            of 90% (on CUDA: the device memory free at the first walk, less the same; off CUDA, as `"auto"`,
+            the fixed budgets: give bytes to derive the budgets from a CPU's memory). Read by
+            :func:`~trl_dta.walk.memory.memory_budget.parse_memory_budget`: bytes are kept as a float, a
+            percentage as its string (`"80%"`). docs/memory.md has the memory model.
         tree_block_size (`int` or `None`, defaults to `None`):
             Most tokens forwarded with an autograd graph kept on the walk's stack, and longest forwarded
             segment; given, it wins over `tree_memory_budget`. Longer paths use chunked backward (blocks
@@ -74,8 +74,8 @@ class TreeArguments:
             Where sibling leaves are packed (eager/sdpa attention), most tokens of a subtree (a trie node and
             all its descendants, or several sibling subtrees) forwarded whole in one row with a tree-shaped
             causal mask and backpropagated in one call. Within the budget a cost model of the device decides
-            which calls to merge (`trl_dta.walk.costs`). `None`: derived from `tree_memory_budget`; 0 turns
-            it off.
+            which calls to merge (`trl_dta.walk.cost.costs`). `None`: derived from `tree_memory_budget`; 0
+            turns it off.
         tree_oom_retries (`int`, defaults to 3):
             A walk that runs out of memory (`torch.OutOfMemoryError`) discards the gradients it added, halves
             the token budgets it used (given, or derived from `tree_memory_budget`) and walks the step's trie

@@ -2,7 +2,7 @@
 
 The engine takes ``vllm_gpu_memory_utilization`` of the device's memory for its weights, activations and KV
 cache. Awake all the time, it holds that memory while the trainer trains, and the walk's
-``memory_budget="auto"`` (:class:`~trl_dta.walk.budgets.Budgets`) measures it as used. With
+``memory_budget="auto"`` (:class:`~trl_dta.walk.memory.budgets.Budgets`) measures it as used. With
 ``vllm_enable_sleep_mode`` it releases it after generating (sleep level 2: weights and KV cache) and takes it
 back before the next generation: measured at the first walk it looks free, though the engine claims it
 right after the step. :func:`colocated_reserved_bytes` is that share, which ``"auto"`` then leaves alone

@@ -1,7 +1,8 @@
 """What a call of the executor refuses, before it walks: its arguments (a trie, a temperature), what a
 value model cannot give (entropies, a temperature), and a gradient walk that could compute nothing (autograd
 off, no trainable parameter) or not exactly (an MoE router loss with FSDP2's per-layer gather). The model
-itself is checked when the executor is built (:mod:`trl_dta.walk.checks`, :mod:`trl_dta.walk.probe`)."""
+itself is checked when the executor is built (:mod:`trl_dta.walk.adapter.checks`,
+:mod:`trl_dta.walk.adapter.probe`)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ import numbers
 import torch
 
 from ..trie import PrefixTrie
+from .distributed.sharding import fsdp_units
 from .errors import ArgumentTypeError, UnsupportedModelError
 from .heads import HiddenStates
-from .sharding import fsdp_units
 
 
 def check_walk_call(lm, trie, temperature, entropies: bool, head=None) -> None:
-    """Any walk of ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`): ``trie`` a :class:`~trl_dta.PrefixTrie`,
+    """Any walk of ``lm`` (a :class:`~trl_dta.walk.adapter.model.CausalLM`): ``trie`` a
+    :class:`~trl_dta.PrefixTrie`,
     ``temperature`` a finite number > 0; a value model, or a head of hidden states (``head``), walked at 1.0
     without entropies."""
     if not isinstance(trie, PrefixTrie):

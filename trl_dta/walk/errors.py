@@ -3,7 +3,7 @@ out of memory.
 
 Running out of memory is never turned into anything else: every ``except`` of the walk that catches broadly
 lets :data:`MEMORY_ERRORS` through first, unchanged (a refusal would tell the user their model is not
-supported). The walk's own out-of-memory errors (:mod:`trl_dta.walk.recovery`) are subclasses of
+supported). The walk's own out-of-memory errors (:mod:`trl_dta.walk.memory.recovery`) are subclasses of
 ``torch.OutOfMemoryError``, so code that catches PyTorch's keeps catching them.
 """
 
@@ -30,8 +30,8 @@ class ArgumentTypeError(TypeError, ValueError):
 
 
 class WalkOutOfMemoryError(torch.OutOfMemoryError, MemoryError):
-    """A walk ran out of memory at its smallest budgets (:mod:`trl_dta.walk.recovery`): the message names
-    the budgets tried, the longest path of the trie and what was being allocated. The last out-of-memory
+    """A walk ran out of memory at its smallest budgets (:mod:`trl_dta.walk.memory.recovery`): the message
+    names the budgets tried, the longest path of the trie and what was being allocated. The last out-of-memory
     error is its ``__cause__``."""
 
 

@@ -39,27 +39,27 @@ import torch
 from torch import nn
 
 from ..trie import PrefixTrie
-from . import deepspeed as zero
-from . import flash
-from .budgets import Budgets, TokenBudgets
+from .adapter.checks import check_count
+from .adapter.model import CausalLM
+from .attention import flash
 from .call_checks import check_backward_call, check_walk_call
-from .checks import check_count
-from .cost_model import CostModel
-from .costs import CallCost
+from .cost.cost_model import CostModel
+from .cost.costs import CallCost
+from .cost.flops import flops as count_flops
+from .distributed import deepspeed as zero
+from .distributed.sharding import agree_on, gathered
 from .errors import ArgumentTypeError
-from .flops import flops as count_flops
 from .heads import Head, default_head
 from .inputs import WalkInputs
-from .model import CausalLM
+from .memory.budgets import Budgets, TokenBudgets
+from .memory.peak import PeakMemory
+from .memory.recovery import RETRIES, OOMRecovery
 from .path_kv import PathKV
-from .peak import PeakMemory
-from .plan import build_plan
-from .recovery import RETRIES, OOMRecovery
+from .plan import build_plan, capacity
 from .router import RouterGrad, RouterStats
 from .scoring import scored_from
-from .sharding import agree_on, gathered
 from .state import CallCounts, OnSequence, Walk
-from .steps import capacity, run_step
+from .steps import run_step
 
 LossFn = Callable[[int, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 T = TypeVar("T")
@@ -77,9 +77,9 @@ class TreeExecutor:
     Args:
         model: a ``transformers`` causal LM that takes a KV cache (see docs/supported-models.md), plain or
             PEFT (LoRA) wrapped, whole or sharded with FSDP2 (``fully_shard``: each walk gathers every unit
-            once and reduce-scatters the gradients once, :mod:`trl_dta.walk.sharding`), or the module of a
-            DeepSpeed ZeRO-2/3 engine (registered first: :mod:`trl_dta.walk.deepspeed`). Randomness must be
-            off while it trains (checked at each call: :mod:`trl_dta.walk.determinism`). Models the walk
+            once and reduce-scatters the gradients once, :mod:`trl_dta.walk.distributed.sharding`), or the
+            module of a DeepSpeed ZeRO-2/3 engine (registered first: :mod:`~trl_dta.walk.distributed.
+            deepspeed`). Randomness must be off while it trains (checked at each call). Models the walk
             cannot compute exactly raise :class:`~trl_dta.UnsupportedModelError`.
         block_size: most tokens forwarded with an autograd graph kept on the stack, and longest segment. Paths
             longer than that are walked with chunked backward (blocks forwarded without a graph, recomputed
@@ -96,31 +96,31 @@ class TreeExecutor:
         subtree_tokens: where leaves are packed, most tokens of a subtree (a node and all its descendants, or
             several sibling subtrees and leaves) forwarded whole in one packed row with a tree-shaped causal
             mask and backpropagated in one call. With budgets from memory, the device kind's cost model
-            (:mod:`trl_dta.walk.costs`; :attr:`call_cost` to set one) decides which calls to merge within
+            (:mod:`trl_dta.walk.cost.costs`; :attr:`call_cost` to set one) decides which calls to merge within
             them: fewer calls against the attention pairs a dense mask computes for nothing. With the fixed
             budgets, each leaf batch is filled to its budget and each subtree that fits is packed on its own
             (the rule measured fastest on CPU). 0: sibling leaves only. None: from ``memory_budget``.
         gather_per_layer: for an FSDP2-sharded model whose gathered parameters do not fit: gather each decoder
             layer only for its own calls and reduce-scatter its gradients after each backward call, the calls
-            of all ranks kept in lock-step (:mod:`trl_dta.walk.lockstep`), instead of gathering every unit
-            once per walk. Slower: see docs/multi-process.md's memory model. Ignored for an unsharded
-            model; refused under DeepSpeed ZeRO-3 (:mod:`trl_dta.walk.deepspeed`).
+            of all ranks kept in lock-step (:mod:`trl_dta.walk.distributed.lockstep`), instead of gathering
+            every unit once per walk. Slower: see docs/multi-process.md's memory model. Ignored for an
+            unsharded model; refused under DeepSpeed ZeRO-3 (:mod:`trl_dta.walk.distributed.deepspeed`).
         memory_budget: bytes of activation memory a walk may use; the budgets not given are derived from it
-            for each trie (:mod:`trl_dta.walk.budgets`: the longest path's graph first, so that nothing is
-            forwarded twice, then the largest calls that fit). "auto": on CUDA, ``AUTO_FRACTION`` of the free
-            memory at the first walk less the first optimizer step's gradients and Adam states; a percentage
-            ("80%"): that share instead; elsewhere, and with None, the fixed budgets measured fastest on CPU
-            (:data:`~trl_dta.walk.budgets.FIXED`). Strings as users type them ("8GiB", "6e10", "none"):
-            :func:`~trl_dta.walk.memory_budget.parse_memory_budget`.
+            for each trie (:mod:`trl_dta.walk.memory.budgets`: the longest path's graph first, so that nothing
+            is forwarded twice, then the largest calls that fit). "auto": on CUDA, ``AUTO_FRACTION`` of the
+            free memory at the first walk less the first optimizer step's gradients and Adam states; a
+            percentage ("80%"): that share instead; elsewhere, and with None, the fixed budgets measured
+            fastest on CPU (:data:`~trl_dta.walk.memory.budgets.FIXED`). Strings as users type them ("8GiB",
+            "6e10", "none"): :func:`~trl_dta.walk.memory.memory_budget.parse_memory_budget`.
         oom_retries: a walk that runs out of memory (``torch.OutOfMemoryError``, ``MemoryError``) is walked
             again with every budget it used halved, up to this many times, its partial gradients discarded;
-            the smaller budgets stay for later walks and grow back after a while
-            (:mod:`trl_dta.walk.recovery`, ``oom_recovery``). 0: an out-of-memory error is raised as it is.
-        budgets: a :class:`~trl_dta.walk.budgets.Budgets` built by the caller (with ``reserved_bytes``, say),
+            the smaller budgets stay for later walks and grow back after a while (:mod:`~trl_dta.walk.memory.
+            recovery`, ``oom_recovery``). 0: an out-of-memory error is raised as it is.
+        budgets: a :class:`~trl_dta.walk.memory.budgets.Budgets` built by the caller (``reserved_bytes``...),
             instead of ``block_size``, ``batch_tokens``, ``subtree_tokens`` and ``memory_budget``.
-        cost_model: a :class:`~trl_dta.walk.cost_model.CostModel` (or its mode, "auto", "reset", "frozen"):
-            the gradient walks time their calls and the plan is built with the constants fitted to them
-            (docs/cost-model.md). None: the device kind's shipped constants, nothing timed.
+        cost_model: a :class:`~trl_dta.walk.cost.cost_model.CostModel` (or its mode: "auto", "reset",
+            "frozen"): the gradient walks time their calls and the plan is built with the constants fitted to
+            them (docs/cost-model.md). None: the device kind's shipped constants, nothing timed.
         head: what a scored position gives (a :class:`~trl_dta.walk.heads.Head`); None: the model's default
             (:func:`~trl_dta.walk.heads.default_head`: values for a value model, else log-probs).
 
@@ -157,11 +157,11 @@ class TreeExecutor:
         self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32)
         self.head = default_head(self.lm) if head is None else head
         self.calls = CallCounts()  # model calls of every walk so far (tree/calls, tree/tokens_per_call)
-        # which calls to merge: the device kind's cost model unless set (:mod:`trl_dta.walk.costs`)
+        # which calls to merge: the device kind's cost model unless set (:mod:`trl_dta.walk.cost.costs`)
         self.call_cost: CallCost | None = None
         self.cost_model = CostModel(cost_model) if isinstance(cost_model, str) else cost_model
         self.oom_recovery = OOMRecovery(oom_retries) if check_count("oom_retries", oom_retries) else None
-        self.peak_memory: int | None = None  # bytes, the last walk's peak (:mod:`trl_dta.walk.peak`)
+        self.peak_memory: int | None = None  # bytes, the last walk's peak (:mod:`trl_dta.walk.memory.peak`)
 
     @property
     def pack_leaves(self) -> bool:
@@ -173,9 +173,9 @@ class TreeExecutor:
         return self.lm.device
 
     def token_budgets(self, trie: PrefixTrie, entropy_grad: bool = True) -> TokenBudgets:
-        """The budgets a walk of ``trie`` uses (:meth:`trl_dta.walk.budgets.Budgets.derive`): those given to
-        the constructor, the others derived from ``memory_budget`` for this trie's longest path, or the fixed
-        defaults where no memory budget applies; halved ones after running out of memory."""
+        """The budgets a walk of ``trie`` uses (:meth:`~trl_dta.walk.memory.budgets.Budgets.derive`): those
+        given to the constructor, the others derived from ``memory_budget`` for this trie's longest path, or
+        the fixed defaults where no memory budget applies; halved ones after running out of memory."""
         return self.budgets.derive(trie, self.lm, entropy_grad, self.head)
 
     def take_oom_retries(self) -> int:
@@ -188,7 +188,7 @@ class TreeExecutor:
         budgets and the call cost model of its device and attention kernel (fitted, with a
         :attr:`cost_model`); records the budgets as ``budgets.in_use`` (unless not ``record``). ``explore``:
         within the same budgets, merge nothing (launches priced at 0), so that the cost model measures
-        small calls (:mod:`trl_dta.walk.cost_model`)."""
+        small calls (:mod:`trl_dta.walk.cost.cost_model`)."""
         budgets = self.token_budgets(trie, entropy_grad)
         if record:
             self.budgets.use(budgets, self.lm.name)
@@ -253,8 +253,8 @@ class TreeExecutor:
         return self.lm.logits(hidden, temperature)
 
     def flops(self, trie: PrefixTrie, score_from: Sequence[int] | None = None) -> tuple[float, float]:
-        """(dense FLOPs, walk FLOPs) of a forward of ``trie`` (:mod:`trl_dta.walk.flops`): their ratio is the
-        FLOP-weighted ideal speedup, beside ``trie.dedup_ratio``."""
+        """(dense FLOPs, walk FLOPs) of a forward of ``trie`` (:mod:`trl_dta.walk.cost.flops`): their ratio is
+        the FLOP-weighted ideal speedup, beside ``trie.dedup_ratio``."""
         return count_flops(self.lm, trie, score_from)
 
     @torch.no_grad()
@@ -329,7 +329,7 @@ class TreeExecutor:
         self, walk: Callable[[], T], trie: PrefixTrie, grad: bool, entropy_grad: bool = False
     ) -> T:
         """Run ``walk()``, one walk of ``trie`` (``entropy_grad``: the walk's); one that runs out of memory is
-        walked again with halved budgets by :attr:`oom_recovery` (:mod:`trl_dta.walk.recovery`), if on."""
+        walked again with halved budgets by :attr:`oom_recovery` (:mod:`~trl_dta.walk.memory.recovery`)."""
         if self.oom_recovery is None or not isinstance(trie, PrefixTrie):  # (a bad trie: _walk says why)
             return walk()
         return self.oom_recovery.run(self, walk, trie, grad, entropy_grad)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .model import CausalLM, ForwardResult
-from .packing import packed_block_mask, packed_mask
+from .adapter.model import CausalLM, ForwardResult
+from .attention.packing import packed_block_mask, packed_mask
 from .plan import PackedSubtree, SiblingLeaves
 from .state import Walk
 

@@ -15,8 +15,9 @@ through its handles (:mod:`trl_dta.walk.state`). What is scored is the executor'
   divergence) is walked without a ``[tokens, vocab]`` tensor ever existing whole.
 
 A head also says what it costs (:meth:`Head.scored_bytes`, :meth:`Head.chunk_bytes`): the memory model
-(:func:`~trl_dta.walk.memory_model.activation_bytes`) counts what the stack keeps per scored position and the
-head's chunk. A new head is one class here with these three methods, and a test against dense autograd.
+(:func:`~trl_dta.walk.memory.memory_model.activation_bytes`) counts what the stack keeps per scored position
+and the head's chunk. A new head is one class here with these three methods, and a test against dense
+autograd.
 """
 
 from __future__ import annotations

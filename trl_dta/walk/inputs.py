@@ -2,14 +2,14 @@
 
 Every call of the walk needs small integer tensors: its tokens' ids and, for a packed row, each token's
 position, the index of its segment in the row and which segments are ancestors of which (the row's
-tree-shaped mask is built from these two on the device, :mod:`trl_dta.walk.packing`). Made per call from
-Python lists (``torch.tensor(list, device=cuda)``), each would be a pageable copy that makes the host wait
-for the device, so that it cannot queue the next kernels while the current ones run. :class:`WalkInputs`
+tree-shaped mask is built from these two on the device, :mod:`trl_dta.walk.attention.packing`). Made per call
+from Python lists (``torch.tensor(list, device=cuda)``), each would be a pageable copy that makes the host
+wait for the device, so that it cannot queue the next kernels while the current ones run. :class:`WalkInputs`
 builds them all for a plan at once in one host tensor, pinned and copied with ``non_blocking=True``; each
 call then takes views of it (slices at Python offsets: no synchronisation). Where the model attends per
-segment (:mod:`trl_dta.walk.segment_attention`), each call's :class:`~trl_dta.walk.segment_attention.
-SegmentLayout` (its cumulative lengths, int32 viewed in the same tensor, and its key index) is built the
-same way.
+segment (:mod:`trl_dta.walk.attention.segment_attention`), each call's
+:class:`~trl_dta.walk.attention.segment_attention. SegmentLayout` (its cumulative lengths, int32 viewed in the
+same tensor, and its key index) is built the same way.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ import numpy as np
 import torch
 
 from ..trie import PrefixTrie
-from .packing import PackedRow
+from .attention.packing import PackedRow
+from .attention.segment_layout import SegmentLayout
 from .plan import PackedSubtree, Push, Segment, SiblingLeaves, Step
-from .segment_layout import SegmentLayout
 
 
 class WalkInputs:
     """The ids of every segment of ``plan`` and the index tensors of its packed rows (``packed`` steps: those
     the executor forwards as one packed row), on ``device``, from one host-to-device copy; with ``segments``,
-    every one-row call's :class:`~trl_dta.walk.segment_layout.SegmentLayout` too (:meth:`layout`)."""
+    every one-row call's :class:`~trl_dta.walk.attention.segment_layout.SegmentLayout` too
+    (:meth:`layout`)."""
 
     def __init__(
         self, trie: PrefixTrie, plan: list[Step], device: torch.device, packed: bool, segments: bool = False

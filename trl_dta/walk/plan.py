@@ -33,7 +33,7 @@ Rules:
   one backward call for the whole subtree (a tree-shaped causal mask), fewer and larger calls than the walk
   makes for it. A dense mask's attention is computed over the whole packed row, so the budget trades
   per-call overhead against attention work; one subtree per step.
-* With a cost model (``costs``, :mod:`trl_dta.walk.costs`; the executor gives one where its budgets come
+* With a cost model (``costs``, :mod:`trl_dta.walk.cost.costs`; the executor gives one where its budgets come
   from a memory budget) the budgets are limits and the model decides: a subtree of at most
   ``min(subtree_tokens, batch_tokens)`` tokens is packed where one call costs less than walking it, and
   consecutive children (leaves and packed subtrees) share one call, a :class:`PackedSubtree` with several
@@ -51,8 +51,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..trie import PrefixTrie, TrieNode
-from .checks import check_count
-from .costs import CallCost, needed_pairs
+from .adapter.checks import check_count
+from .cost.costs import CallCost, needed_pairs
 
 # where a call's fixed cost overlaps compute (a GPU): the launch prices the plan may be built with, highest
 # first (1: the summed cost; 0: merge only where it costs no compute), see _balanced
@@ -264,8 +264,8 @@ def build_plan(
     model which calls to merge, within the budgets (None: fill each leaf batch up to its budget, and pack
     every subtree that fits, on its own). ``key_weight``: a packed row of several segments also counts the
     keys its segments attend (each segment's path up to its end: what attention per segment gathers,
-    :mod:`trl_dta.walk.segment_attention`), this many tokens each (:meth:`~trl_dta.walk.budgets.
-    ActivationBytes.key_weight`)."""
+    :mod:`trl_dta.walk.attention.segment_attention`), this many tokens each
+    (:meth:`~trl_dta.walk.memory.budgets. ActivationBytes.key_weight`)."""
     block_size = check_count("block_size", block_size, minimum=1)
     batch_tokens = check_count("batch_tokens", batch_tokens)
     subtree_tokens = check_count("subtree_tokens", subtree_tokens)
@@ -354,3 +354,16 @@ def step_terms(step: Step, costs: CallCost, packed: bool) -> tuple[float, int | 
         rows, width = len(segments), max(s.num_tokens for s in segments)
         return 1.0, rows * width, rows * width * (past + width)
     return 0.0, 0, 0
+
+
+def capacity(plan, packed: bool) -> int:
+    """The most cache positions a forward of ``plan`` reaches (its start + its row's tokens)."""
+    end = 0
+    for step in plan:
+        if isinstance(step, Push):
+            end = max(end, step.segment.end)
+        elif isinstance(step, SiblingLeaves | PackedSubtree):
+            lengths = [s.num_tokens for s in step.segments]
+            row = sum(lengths) if len(lengths) > 1 and packed else max(lengths)
+            end = max(end, step.segments[0].start + max(row, 2))  # (padded: at least 2 wide)
+    return end

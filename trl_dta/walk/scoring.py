@@ -21,6 +21,7 @@ import torch
 
 from ..trie import PrefixTrie, TrieNode
 from .errors import ArgumentTypeError
+from .heads import default_head
 
 
 def scored_from(trie: PrefixTrie, score_from: Sequence[int] | None):
@@ -61,7 +62,6 @@ def path_scores(stack, logps, ents, leaf_from: int, seq_from: int, above=()):
 
 def score_rows(
     lm,
-    head,
     hiddens,
     ids,
     start,
@@ -70,14 +70,17 @@ def score_rows(
     entropies: bool,
     froms,
     entropy_grad=True,
+    head=None,
 ):
     """The head's outputs (log-probs, and entropies) of each row's tokens (``hiddens[r]``: [L_r, D],
     ``ids[r]``: [L_r], at positions ``start..``): position ``t`` scores token ``t + 1`` (output index ``t``),
     and the parent's last hidden state scores the segment's first token (none at the root). Row ``r`` is
     scored from index ``max(froms[r], start - 1)`` on; returns, per row, the outputs, entropies and that
-    first index. ``head`` (:mod:`trl_dta.walk.heads`) runs on all rows' positions together, in its own chunks.
+    first index. ``head`` (:mod:`trl_dta.walk.heads`; default: ``lm``'s) runs on all rows' positions together,
+    in its own chunks.
     ``start`` and ``parent_hidden`` are shared by the rows (sibling leaves), or lists with one per row (the
     segments of a packed subtree). ``entropy_grad=False``: entropies are values only (no graph)."""
+    head = default_head(lm) if head is None else head
     rows = len(ids)
     starts = start if isinstance(start, (list, tuple)) else [start] * rows
     parents = parent_hidden if isinstance(parent_hidden, (list, tuple)) else [parent_hidden] * rows

@@ -20,12 +20,12 @@ from typing import NamedTuple
 import torch
 
 from ..trie import PrefixTrie, TrieNode
-from .cache import KV, LayerCache, expand_states, states_of
+from .adapter.cache import KV, LayerCache, expand_states, states_of
+from .distributed.lockstep import Lockstep
 from .heads import Head, LogProbs
 from .inputs import WalkInputs
-from .lockstep import Lockstep
+from .memory.peak import PeakMemory
 from .path_kv import PathKV
-from .peak import PeakMemory
 from .plan import Segment
 from .router import RouterGrad, RouterStats
 

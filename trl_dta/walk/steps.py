@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from ..trie import TrieNode
+from .adapter.model import CausalLM
 from .forwards import forward, forward_packed, forward_padded
-from .model import CausalLM
 from .plan import PackedSubtree, Pop, Push, Segment, SiblingLeaves, Step
 from .router import RouterStats, route
 from .scoring import path_scores, score_rows
@@ -38,19 +38,6 @@ def run_step(lm: CausalLM, walk: Walk, step: Step, packed: bool) -> None:
             _pop(lm, walk, frame, step.keep_graph)
     else:
         _rows(lm, walk, step, packed)
-
-
-def capacity(plan, packed: bool) -> int:
-    """The most cache positions a forward of ``plan`` reaches (its start + its row's tokens)."""
-    end = 0
-    for step in plan:
-        if isinstance(step, Push):
-            end = max(end, step.segment.end)
-        elif isinstance(step, SiblingLeaves | PackedSubtree):
-            lengths = [s.num_tokens for s in step.segments]
-            row = sum(lengths) if len(lengths) > 1 and packed else max(lengths)
-            end = max(end, step.segments[0].start + max(row, 2))  # (padded: at least 2 wide)
-    return end
 
 
 def _backprop(losses: list[torch.Tensor], walk: Walk | None = None) -> bool:
@@ -123,7 +110,6 @@ def _compute_segment(lm: CausalLM, walk: Walk, segment: Segment) -> SegmentOutpu
     froms = [max(first, start) if lead else first]
     lps, ents, firsts = score_rows(
         lm,
-        walk.head,
         [hidden[0]],
         [ids],
         start,
@@ -132,6 +118,7 @@ def _compute_segment(lm: CausalLM, walk: Walk, segment: Segment) -> SegmentOutpu
         walk.entropies,
         froms,
         walk.entropy_grad,
+        walk.head,
     )
     ent = ents[0] if walk.entropies else None
     return SegmentOutputs(caches, hidden[:, -1:], lps[0], ent, router_term, firsts[0], None)
@@ -145,7 +132,6 @@ def _defer(lm: CausalLM, walk: Walk, segment: Segment, ids: torch.Tensor) -> Seg
         return SegmentOutputs([], None, parent_hidden.new_zeros(0), None, None, segment.end - 1, ids)
     lps, ents, firsts = score_rows(
         lm,
-        walk.head,
         [parent_hidden.reshape(1, -1)[:0]],
         [ids],
         segment.start,
@@ -154,6 +140,7 @@ def _defer(lm: CausalLM, walk: Walk, segment: Segment, ids: torch.Tensor) -> Seg
         walk.entropies,
         [walk.first_scored(segment.node)],
         walk.entropy_grad,
+        walk.head,
     )
     ent = ents[0] if walk.entropies else None
     return SegmentOutputs([], None, lps[0], ent, None, firsts[0], ids)
@@ -196,7 +183,7 @@ def _row_losses(lm: CausalLM, walk: Walk, step, hiddens, ids, start: int, lead: 
     starts = [start] * len(segments) if lead else [s.start for s in segments]  # (lead: no subtree)
     above = [walk.parent_hidden() if p < 0 else hiddens[p][-1] for p in parents]
     lps, ents, firsts = score_rows(
-        lm, walk.head, hiddens, ids, starts, above, walk.temperature, walk.entropies, froms, walk.entropy_grad
+        lm, hiddens, ids, starts, above, walk.temperature, walk.entropies, froms, walk.entropy_grad, walk.head
     )
     pieces = [(lps[r], ents[r] if walk.entropies else None, firsts[r]) for r in range(len(segments))]
     losses = []

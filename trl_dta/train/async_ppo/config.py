@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from ...walk.checks import SUPPORTED_ATTENTION
+from ...walk.adapter.checks import SUPPORTED_ATTENTION
 from ..critic.args import ValueArguments
 from ..dense_fallback import refuse_always
 from ..tree_args import TreeArguments, check_flag

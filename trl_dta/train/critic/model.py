@@ -19,7 +19,7 @@ import os
 import torch
 from torch import nn
 
-from ...walk.model import output_head
+from ...walk.adapter.model import output_head
 
 VALUE_MODEL_DIR = "value_model"  # beside the policy's files, in checkpoints and in output_dir
 

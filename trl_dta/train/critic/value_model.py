@@ -297,7 +297,7 @@ def check_value_model(value_model, accelerator) -> None:
             f"got {type(value_model).__name__}."
         )
     if isinstance(value_model, nn.Module):
-        from ...walk.model import _base_model, output_head
+        from ...walk.adapter.model import _base_model, output_head
 
         _, is_value_head = output_head(_base_model(value_model))
         if not is_value_head:

@@ -9,10 +9,10 @@ the trainers log in GiB as ``tree/peak_memory_gib``.
   since the last :func:`reset_peak_memory_stats` (or the process's start), the walks' resets accounted: what
   code that measures more than a walk (the benchmarks) reads.
 * CPU (Linux): the process's resident set size (``/proc/self/statm``), sampled where the walk's memory model
-  (:mod:`trl_dta.walk.budgets`) puts its peaks: after each step, and before each backward call (the stack's
-  graphs plus the running call's). A lower bound of the true peak: buffers that live only inside one call
-  (the LM head's logits, the backward's transients) are missed. The process's high-water mark (``VmHWM``) is
-  left alone, so that what measures a whole process (``ru_maxrss``, benchmarks/demo_memory.py) stays true;
+  (:mod:`trl_dta.walk.memory.budgets`) puts its peaks: after each step, and before each backward call (the
+  stack's graphs plus the running call's). A lower bound of the true peak: buffers that live only inside one
+  call (the LM head's logits, the backward's transients) are missed. The process's high-water mark (``VmHWM``)
+  is left alone, so that what measures a whole process (``ru_maxrss``, benchmarks/demo_memory.py) stays true;
   resetting it per walk would hide every peak before the last walk's start.
 * Elsewhere (other accelerators, no ``/proc``): None.
 """

@@ -1,9 +1,10 @@
 """The call-cost constants fitted to measured times, by non-negative least squares.
 
-The cost model (:mod:`trl_dta.walk.costs`) prices a forward + backward call as ``fixed + per_token x tokens +
-per_pair x pairs``; the LM head adds ``per_scored`` per scored position (the same however calls are cut, so
-the plan leaves it out, but a measured call pays it, and leaving it out of the fit would bias ``per_token``).
-An :class:`Observation` is what was measured: one call, or a whole walk, as its summed terms and seconds.
+The cost model (:mod:`trl_dta.walk.cost.costs`) prices a forward + backward call as ``fixed + per_token x
+tokens + per_pair x pairs``; the LM head adds ``per_scored`` per scored position (the same however calls are
+cut, so the plan leaves it out, but a measured call pays it, and leaving it out of the fit would bias
+``per_token``). An :class:`Observation` is what was measured: one call, or a whole walk, as its summed terms
+and seconds.
 
 * Summed costs (a CPU: the host computes): ``seconds = calls x fixed + tokens x per_token + pairs x
   per_pair + scored x per_scored``, linear in the constants.
@@ -19,7 +20,7 @@ walk of the same shape) keep the prior. Solver: ``scipy.optimize.nnls`` (the con
 
 :func:`fixed_uncertainty` says how well the observations determine ``fixed``: calls of thousands of tokens
 pay it as a few per cent of their time, below the clock's noise, so a fit from merged calls alone cannot
-recover it (the cost model then explores: :mod:`trl_dta.walk.cost_model`).
+recover it (the cost model then explores: :mod:`trl_dta.walk.cost.cost_model`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The cost model fitted online: the walk times its own calls, and the plan uses the fitted constants.
 
-The shipped constants (:data:`~trl_dta.walk.costs.DEVICE_COSTS`) are a prior. :class:`CostModel` times the
-gradient walks of an executor and fits the constants to them (:func:`~trl_dta.walk.cost_fit.fit_constants`,
-over a window of recent observations, the last fit the prior of the next):
+The shipped constants (:data:`~trl_dta.walk.cost.costs.DEVICE_COSTS`) are a prior. :class:`CostModel` times
+the gradient walks of an executor and fits the constants to them
+(:func:`~trl_dta.walk.cost.cost_fit.fit_constants`, over a window of recent observations, the last fit the
+prior of the next):
 
 * On a CPU each forward + backward call is timed on the monotonic clock (a push and its pop make one call;
   a leaves or subtree step one), which gives many differently shaped observations per walk; the walk's time
@@ -16,12 +17,12 @@ The plan uses the fitted constants once ``MIN_OBSERVATIONS`` are measured, and a
 it changes the predicted time of a recent observation by more than ``REPLAN`` (a plan is rebuilt for each
 walk: what changes is the constants it is built with). Once the constants have not changed for ``STABLE``
 timed walks, only one walk in ``SAMPLE_EVERY`` is timed. Every adopted fit is kept in the cache
-(:mod:`trl_dta.walk.cost_cache`) under the device's name and the model's signature; the next run starts
+(:mod:`trl_dta.walk.cost.cost_cache`) under the device's name and the model's signature; the next run starts
 from it.
 
 Exploration (where costs overlap: a GPU): a walk whose compute hides its launches bounds ``fixed`` from
 above and no more, so walks that are all compute-bound cannot tell the launch cost the plan's merges hang on
-(:func:`~trl_dta.walk.cost_fit.fixed_uncertainty`: infinite without a launch-bound walk). So where a run
+(:func:`~trl_dta.walk.cost.cost_fit.fixed_uncertainty`: infinite without a launch-bound walk). So where a run
 starts from the prior (no cached fit) and its first ``EXPLORE_AFTER`` walks leave ``fixed`` uncertain by
 more than ``EXPLORE_ABOVE``, one gradient walk is planned unmerged (launches priced at 0: a call per node, or
 per leaf batch; any plan is exact), which is launch-bound, and timed; it stays in the fit beside the window.
@@ -45,10 +46,10 @@ from dataclasses import replace
 
 import torch
 
+from ..plan import PackedSubtree, Pop, Push, SiblingLeaves, step_terms
 from .cost_cache import CostCache, device_name, model_signature
 from .cost_fit import Constants, Observation, fit_constants, fixed_uncertainty
 from .costs import CallCost, device_costs
-from .plan import PackedSubtree, Pop, Push, SiblingLeaves, step_terms
 
 logger = logging.getLogger(__name__)
 MODES = ("auto", "reset", "frozen")
@@ -68,7 +69,7 @@ class CostModel:
 
     Args:
         mode: "auto", "reset" or "frozen".
-        cache_dir: where fits are kept (None: :func:`~trl_dta.walk.cost_cache.cache_dir`'s default).
+        cache_dir: where fits are kept (None: :func:`~trl_dta.walk.cost.cost_cache.cache_dir`'s default).
         prior: constants to start from instead of the shipped ones (benchmarks: deliberately wrong ones).
         persist: keep adopted fits in the cache (False: only in this object).
     """
@@ -102,11 +103,11 @@ class CostModel:
 
     # ------------------------------------------------------------------ the constants
     def start(self, lm, device: torch.device) -> None:
-        """At the first walk of ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`): the prior, the cache key,
-        the cached fit (mode "auto" and "frozen")."""
+        """At the first walk of ``lm`` (a :class:`~trl_dta.walk.adapter.model.CausalLM`): the prior, the cache
+        key, the cached fit (mode "auto" and "frozen")."""
         if self.key is not None:
             return
-        from .budgets import activation_dtype
+        from ..memory.budgets import activation_dtype
 
         shipped = CallCost.for_model(lm.config, device.type, lm.block_sparse, lm.per_segment)
         given = self._given_prior or shipped  # (its constants; attention kind and overlap: the device's)
@@ -171,7 +172,7 @@ class CostModel:
 
     def uncertainty(self) -> float:
         """The relative standard error of the fitted ``fixed``
-        (:func:`~trl_dta.walk.cost_fit.fixed_uncertainty`)."""
+        (:func:`~trl_dta.walk.cost.cost_fit.fixed_uncertainty`)."""
         fitted = self.fitted or self.active
         return fixed_uncertainty([*self.anchors, *self.window], fitted, self.template.overlap)
 

@@ -1,8 +1,8 @@
 """Out-of-memory recovery: a walk that runs out of memory is walked again, whole, with halved budgets.
 
 The walk's peak memory follows its token budgets (``block_size``, ``batch_tokens``, ``subtree_tokens``: given
-by hand, or derived from a memory budget for each trie, :mod:`trl_dta.walk.budgets`) and the shape of the
-trie, which changes at every call: budgets that fit one step's trie can fail on the next one's.
+by hand, or derived from a memory budget for each trie, :mod:`trl_dta.walk.memory.budgets`) and the shape of
+the trie, which changes at every call: budgets that fit one step's trie can fail on the next one's.
 :class:`OOMRecovery` (a :class:`~trl_dta.walk.executor.TreeExecutor`'s ``oom_recovery``) runs each
 ``backward``, ``logprobs`` and ``router_stats`` walk; when one raises ``torch.OutOfMemoryError`` or
 ``MemoryError``:
@@ -14,8 +14,8 @@ trie, which changes at every call: budgets that fit one step's trie can fail on 
 2. the failed walk's buffers are freed (its exception, whose traceback holds its frames, is dropped; then
    ``gc.collect()`` and, on CUDA, ``torch.cuda.empty_cache()``);
 3. every budget the failed walk used is halved (``block_size`` down to 1, the others down to 0) by the
-   executor's :class:`~trl_dta.walk.budgets.Budgets` (``budgets.halve``: they replace the derived and given
-   ones), and the same trie is walked again, up to ``retries`` times per walk.
+   executor's :class:`~trl_dta.walk.memory.budgets.Budgets` (``budgets.halve``: they replace the derived and
+   given ones), and the same trie is walked again, up to ``retries`` times per walk.
    Then :class:`~trl_dta.walk.errors.WalkOutOfMemoryError` names the budgets tried, the trie's longest
    path and what was being allocated (the last error's message), with the gradients as they were before
    the walk.
@@ -29,14 +29,14 @@ A walk's result does not depend on its budgets beyond float rounding (every plan
 walk equals an uninterrupted one to rounding.
 
 Across ranks. On a model sharded with FSDP2 (gather once), the ranks agree before the walk's final
-reduce-scatter (:func:`trl_dta.walk.sharding.gathered`): if any rank ran out of memory, no rank reduces,
-the ranks whose walk succeeded raise :class:`~trl_dta.walk.errors.PeerOutOfMemoryError`, and every rank
-walks again with halved budgets (or all give up together); under DeepSpeed ZeRO-2/3 every walk ends with
-the same agreement (:mod:`trl_dta.walk.deepspeed`). Under DDP the walk makes no collective (the
+reduce-scatter (:func:`trl_dta.walk.distributed.sharding.gathered`): if any rank ran out of memory, no rank
+reduces, the ranks whose walk succeeded raise :class:`~trl_dta.walk.errors.PeerOutOfMemoryError`, and every
+rank walks again with halved budgets (or all give up together); under DeepSpeed ZeRO-2/3 every walk ends with
+the same agreement (:mod:`trl_dta.walk.distributed.deepspeed`). Under DDP the walk makes no collective (the
 trainer all-reduces the gradients after the walk), so a rank retries on its own and nothing is reduced
 before its walk has succeeded. With ``gather_per_layer`` across ranks the walk's calls are in lock-step with
-the other ranks' (:mod:`trl_dta.walk.lockstep`) and a rank cannot leave and re-join it: the error is raised
-as it is, and the launcher ends the other ranks.
+the other ranks' (:mod:`trl_dta.walk.distributed.lockstep`) and a rank cannot leave and re-join it: the error
+is raised as it is, and the launcher ends the other ranks.
 
 Not recovered: running out of memory outside a walk (the optimizer step, generation, TRL's own passes), in
 the construction probe (raised as it is), and a failed CPU allocation inside torch, which raises a plain
@@ -57,12 +57,12 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from ..adapter.checks import check_count
+from ..distributed.deepspeed import assign_grad
+from ..distributed.ranks import world_size
+from ..distributed.sharding import fsdp_units
+from ..errors import MEMORY_ERRORS, WalkOutOfMemoryError
 from .budgets import TokenBudgets
-from .checks import check_count
-from .deepspeed import assign_grad
-from .errors import MEMORY_ERRORS, WalkOutOfMemoryError
-from .ranks import world_size
-from .sharding import fsdp_units
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Two words, used throughout the walk:
 
 * a *layer type* is transformers' per-layer string (``"full_attention"``, ``"sliding_attention"``,
   ``"linear_attention"``, ``"conv"``, ...), read from the config the way transformers builds its caches
-  (:func:`trl_dta.walk.checks.layer_types` for the attention pattern);
+  (:func:`trl_dta.walk.adapter.checks.layer_types` for the attention pattern);
 * a *cache kind* is what the walk keeps for a layer (:func:`cache_kinds`): ``"attention"`` (K/V),
   ``"state"`` (conv / recurrent states), ``"hybrid"`` (both, e.g. Falcon-H1) or ``"none"`` (no cache).
 
@@ -36,8 +36,8 @@ try:
 except ImportError:  # transformers < 5.23: no layer type "dummy", so no cache kind "none" (cache_kinds)
     DummyLayer = None
 
-from .errors import UnsupportedModelError
-from .path_kv import PathKV
+from ..errors import UnsupportedModelError
+from ..path_kv import PathKV
 
 # What a forward leaves to the tokens after it, per layer, every tensor [B, ...] (batch first):
 # * attention layers: "k", "v" [B, kv_heads, L, head_dim], the new tokens' K/V (also written into the walk's
@@ -56,8 +56,8 @@ _CACHE_KINDS = {"conv": "state", "linear_attention": "state", "hybrid": "hybrid"
 # transformers' state API (get_conv_state, get_recurrent_state, ...), through which the walk hands a segment's
 # conv / recurrent states to the next: new in transformers 5.21. Before it, models that read a carried state
 # (Qwen3.5's Gated DeltaNet, Mamba2) read the cache's layers, which the walk does not fill: the construction
-# probe refuses them, naming this version (:mod:`trl_dta.walk.probe`); models that only write states through
-# ``update_conv_state`` (LFM2) walk exactly there too.
+# probe refuses them, naming this version (:mod:`trl_dta.walk.adapter.probe`); models that only write states
+# through ``update_conv_state`` (LFM2) walk exactly there too.
 STATE_API_VERSION = "5.21"
 HAS_STATE_API = hasattr(Cache, "get_recurrent_state")
 

@@ -12,8 +12,8 @@ One forward + backward call of the walk costs about::
   additive mask (eager, or a model the walk's attention function cannot run) computes every pair of its
   ``tokens x (past + tokens)`` rectangle, masked or not; a block-sparse mask (flex attention's ``BlockMask``)
   only the tiles that hold a visible pair, about what the tree needs plus a tile's width per row; attention
-  per segment (sdpa models, :mod:`~trl_dta.walk.segment_attention`: ``per_segment``) the pairs the tree
-  needs: always on a GPU (torch's flash varlen kernel), and on a CPU where splitting the row pays
+  per segment (sdpa models, :mod:`~trl_dta.walk.attention.segment_attention`: ``per_segment``) the pairs the
+  tree needs: always on a GPU (torch's flash varlen kernel), and on a CPU where splitting the row pays
   (:func:`per_segment_pays`; else the rectangle).
 
 Merging two calls saves one ``fixed`` and, with a dense mask, costs the pairs between them that the mask
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..trie import TrieNode
+from ...trie import TrieNode
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,9 @@ TILE = 128  # flex attention's default block size: a block-sparse row computes u
 
 def per_segment_pays(past: int, tokens: int, needed: int) -> bool:
     """Whether a packed row of ``tokens`` on a past of ``past``, the tree needing ``needed`` of its pairs, is
-    attended per segment where the model can (:mod:`~trl_dta.walk.segment_attention`): where that computes at
-    most half the row's rectangle. Closer to the rectangle, copying each segment's keys (the past, its
-    ancestors) costs about what the pairs it skips would."""
+    attended per segment where the model can (:mod:`~trl_dta.walk.attention.segment_attention`): where that
+    computes at most half the row's rectangle. Closer to the rectangle, copying each segment's keys (the past,
+    its ancestors) costs about what the pairs it skips would."""
     return 2 * needed <= tokens * (past + tokens)
 
 
@@ -140,7 +140,7 @@ class CallCost:
 
     def row_pairs(self, past: int, tokens: int, needed: int) -> int:
         """The query-key pairs one packed call computes: ``tokens`` on a past of ``past`` tokens, the tree
-        needing ``needed`` of them (the fitted model, :mod:`trl_dta.walk.cost_fit`, counts the same)."""
+        needing ``needed`` of them (the fitted model, :mod:`trl_dta.walk.cost.cost_fit`, counts the same)."""
         if self.per_segment and (self.overlap or per_segment_pays(past, tokens, needed)):  # (a GPU: varlen)
             return needed
         pairs = needed + tokens * TILE if self.block_sparse else tokens * (past + tokens)

@@ -5,7 +5,7 @@
 * :meth:`CausalLM.forward`: run the decoder on new tokens on top of the path before them (its K/V in the
   walk's :class:`~trl_dta.walk.path_kv.PathKV`; for hybrid and state-space models, the last segment's conv /
   recurrent states) and return the final hidden states and what the new tokens leave in each layer's cache
-  (:mod:`trl_dta.walk.cache`), with their autograd graph when grad is enabled;
+  (:mod:`trl_dta.walk.adapter.cache`), with their autograd graph when grad is enabled;
 * :meth:`CausalLM.logits`: the LM head, with the model's logit scale and soft-capping (the same transform
   TRL's fused LM head applies), divided by a temperature, in at least float32.
 
@@ -15,8 +15,8 @@ place (:attr:`CausalLM.value_head`): :meth:`CausalLM.logits` then gives one valu
 
 Models it cannot run exactly are refused with :class:`~trl_dta.walk.errors.UnsupportedModelError` when
 wrapped, or at a call for limits that depend on the sequences (attention windows, length-dependent RoPE):
-:mod:`trl_dta.walk.checks` holds the checks, :mod:`trl_dta.walk.probe` the probe that compares the walk's
-operations with the model's own dense forward.
+:mod:`trl_dta.walk.adapter.checks` holds the checks, :mod:`trl_dta.walk.adapter.probe` the probe that compares
+the walk's operations with the model's own dense forward.
 """
 
 from __future__ import annotations
@@ -29,23 +29,24 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..attention.packing import causal_block_mask
+from ..attention.segment_attention import SegmentLayout, attending
+from ..distributed.sharding import gathered_for_check, is_fsdp1
+from ..errors import UnsupportedModelError
+from ..path_kv import PathKV
 from . import checks
 from .cache import LayerCache, RecordingCache, cache_kinds
 from .determinism import check_deterministic
-from .errors import UnsupportedModelError
-from .packing import causal_block_mask
-from .path_kv import PathKV
 from .probe import kept_verdict
 from .probe import probe as run_probe
-from .segment_attention import SegmentLayout, attending
-from .sharding import gathered_for_check, is_fsdp1
 
 logger = logging.getLogger(__name__)
 
 
 class ForwardResult(NamedTuple):
     """What one decoder forward gives: hidden states [B, L, D], per layer what it leaves
-    (:data:`~trl_dta.walk.cache.LayerCache`), and (when asked) each router layer's logits [B * L, E]."""
+    (:data:`~trl_dta.walk.adapter.cache.LayerCache`), and (when asked) each router layer's logits [B * L,
+    E]."""
 
     hidden: torch.Tensor
     caches: list[LayerCache]
@@ -106,11 +107,12 @@ class CausalLM:
         model: a ``transformers`` causal LM or value model, or a PEFT model wrapping one (LoRA-style adapters;
             prompt learning methods are refused).
         lm_head_fp32: run the LM head (or value head) projection in float32 (TRL's ``cast_lm_head_to_fp32``).
-        probe: run the probe now, or take the verdict a :func:`~trl_dta.walk.preflight.preflight` of the same,
+        probe: run the probe now, or take the verdict a :func:`~trl_dta.walk.adapter.preflight.preflight` of
+        the same,
             unchanged model kept (recommended; a few forwards of at most 13 tokens). Without it, sibling
             leaves are never packed, since only the probe shows that packing is exact for the model, and a
             model without weights (on the meta device) is accepted: only its structure is checked
-            (:mod:`trl_dta.walk.preflight`).
+            (:mod:`trl_dta.walk.adapter.preflight`).
     """
 
     def __init__(self, model: nn.Module, lm_head_fp32: bool = False, probe: bool = True):
@@ -284,8 +286,8 @@ class CausalLM:
 
     def probe(self) -> tuple[bool, bool]:
         """Compare the walk's operations with the model's own dense forward
-        (:func:`trl_dta.walk.probe.probe`); raise if they differ, return whether packing leaves is exact and
-        whether attention per segment is. It
+        (:func:`trl_dta.walk.adapter.probe.probe`); raise if they differ, return whether packing leaves is
+        exact and whether attention per segment is. It
         runs in eval mode (no dropout), in the weights' dtype with autocast off: under bf16 autocast two exact
         methods already differ by ~1e-2, which would hide a wrong cache. The walk itself runs under whatever
         autocast the caller set."""
@@ -317,7 +319,8 @@ class CausalLM:
     ) -> ForwardResult:
         """Decode ``input_ids`` ([B, L], positions ``start..start+L-1`` unless ``positions`` are given) on top
         of the path's K/V at positions ``[0, start)`` of ``kv`` and the ``states`` its last segment left
-        (each with B rows: :func:`~trl_dta.walk.cache.expand_states`), causally, or with a 4-D additive
+        (each with B rows: :func:`~trl_dta.walk.adapter.cache.expand_states`), causally, or with a 4-D
+        additive
         ``attention_mask`` [B, 1, L, start + L]. The new K/V are written into ``kv`` too (when B is 1).
         ``router_logits``: also return every router layer's logits (MoE models). ``layout``: the call's
         segments (one row), attended per segment where :attr:`segment_attention` (``attention_mask`` is then

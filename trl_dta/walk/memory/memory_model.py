@@ -11,9 +11,9 @@ Memory model, per optimizer step's walk (bytes)::
 ``path`` is the trie's longest path above a leaf (unknown: ``block``). ``scored`` counts the LM head's saved
 log-softmax (and the entropy's, when it has a gradient) for every token, as if every token were scored: an
 upper bound for prompts the loss does not read. A call that attends per segment
-(:mod:`trl_dta.walk.segment_attention`) through sdpa keeps a copy of every segment's keys (its path's K/V up
-to its end) for the backward: the plan counts them against the call's budget (``key_weight``); the flash
-kernel's path (CUDA) recomputes them in the backward instead. Under autocast over
+(:mod:`trl_dta.walk.attention.segment_attention`) through sdpa keeps a copy of every segment's keys (its
+path's K/V up to its end) for the backward: the plan counts them against the call's budget (``key_weight``);
+the flash kernel's path (CUDA) recomputes them in the backward instead. Under autocast over
 float32 weights (TRL's bf16 mixed precision), the residual stream stays float32 and each linear layer keeps
 its own low-precision copy of its input (``autocast``: 11 bytes per hidden unit and layer more, and a float32
 K, measured on CPU with ``SavedTensorMeter``), and autocast keeps a low-precision copy of every trainable
@@ -28,10 +28,10 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import check_count
-from .costs import device_costs
-from .heads import HEAD_ROWS, LogProbs
-from .plan import Pop, Push, Step
+from ..adapter.checks import check_count
+from ..cost.costs import device_costs
+from ..heads import HEAD_ROWS, LogProbs
+from ..plan import Pop, Push, Step, capacity
 
 MIN_CALL_TOKENS = 512  # below this, calls are too small to keep a GPU busy: rather recompute
 
@@ -176,7 +176,7 @@ def token_budgets(
 
 
 def activation_dtype(lm) -> torch.dtype:
-    """The activations' dtype of a walk through ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`):
+    """The activations' dtype of a walk through ``lm`` (a :class:`~trl_dta.walk.adapter.model.CausalLM`):
     autocast's where it is on, else the LM head's weights'."""
     if torch.is_autocast_enabled(lm.device.type):
         return torch.get_autocast_dtype(lm.device.type)
@@ -214,13 +214,13 @@ def plan_peak(
     step: each push kept with its graph adds its tokens to the stack until its pop; each call adds its own
     (and a push recomputed at pop, its tokens again) on top of the stack. ``scored_from``: per trie node, its
     first scored log-prob index (``trl_dta.walk.scoring.scored_from``'s second value; None: every token).
-    ``attention``: what a call's attention keeps, per attention path of :mod:`trl_dta.walk.segment_attention`
-    (``"segments"``: the sdpa path, a packed row's gathered keys, :attr:`ActivationBytes.key` per position;
+    ``attention``: what a call's attention keeps, per attention path of
+    :mod:`trl_dta.walk.attention.segment_attention` (``"segments"``: the sdpa path, a packed row's gathered
+    keys, :attr:`ActivationBytes.key` per position;
     ``"flash"``: the flash kernel, whose gathered keys are recomputed in the backward, nothing more;
     ``"mask"``: the model's own sdpa with a mask, which repeats the K/V heads for grouped-query attention,
     ``2 q`` values per position and layer, and keeps the mask; ``"flex"``: nothing more). Autocast's weight
     copies are the caller's (:func:`autocast_copies`)."""
-    from .steps import capacity  # (steps imports the LM head's row limit from here)
 
     layers, e = config.num_hidden_layers, per.key / max(1, 2 * config.num_hidden_layers * _kv(config))
     q, kv = config.num_attention_heads * _head_dim(config), _kv(config)

@@ -22,11 +22,11 @@ Per unit and per walk: one all-gather, and (gradient walks) one reduce-scatter, 
 walking, a rank holds every parameter gathered and an unsharded gradient accumulator.
 
 Before anything is reduced, the ranks agree on how their walks ended
-(:func:`~trl_dta.walk.ranks.agree_on_outcome`, one
+(:func:`~trl_dta.walk.distributed.ranks.agree_on_outcome`, one
 all-reduce of a flag per walk, across ranks only): if one rank's walk failed, no rank reduces, the
 unreduced gradients are dropped on every rank, and every rank raises, the others
 :class:`~trl_dta.walk.errors.PeerOutOfMemoryError` where it ran out of memory, so that out-of-memory
-recovery (:mod:`trl_dta.walk.recovery`) walks again on every rank or on none.
+recovery (:mod:`trl_dta.walk.memory.recovery`) walks again on every rank or on none.
 
 **Per layer** (``per_layer=True``, for models whose gathered parameters and accumulator do not fit): the
 *root's set* (the root unit, and the units accelerate makes of the embeddings, final norm and LM head: every
@@ -34,10 +34,10 @@ unit outside the decoder layers) stays gathered and accumulates its gradients un
 gather-once mode, and is reduce-scattered once at the walk's end; each decoder layer is gathered for each
 forward and backward call through it and resharded after, and its gradients are reduce-scattered after each
 backward call (sums of averages: exact). Those collectives run inside the calls, so
-:class:`~trl_dta.walk.lockstep.Lockstep` keeps every rank's calls in step (dummy calls where a rank's step
-has none) and gathers a layer whose gradients arrive through its K/V or states. Per layer: one all-gather
-per forward and per backward call (dummies included), and one reduce-scatter per backward call; per unit of
-the root's set: one all-gather and one reduce-scatter per walk.
+:class:`~trl_dta.walk.distributed.lockstep.Lockstep` keeps every rank's calls in step (dummy calls where a
+rank's step has none) and gathers a layer whose gradients arrive through its K/V or states. Per layer: one
+all-gather per forward and per backward call (dummies included), and one reduce-scatter per backward call; per
+unit of the root's set: one all-gather and one reduce-scatter per walk.
 
 A model sharded as one unit (TRL's ``prepare_fsdp`` shards the reference model so) has no layer to gather
 on its own: its no-gradient walks gather it whole in either mode, as its own forward does in stock TRL.
@@ -55,8 +55,8 @@ import contextlib
 import torch
 from torch import nn
 
+from ..errors import UnsupportedModelError
 from . import deepspeed as zero
-from .errors import UnsupportedModelError
 from .lockstep import Lockstep
 from .ranks import agree_on_outcome, world_size
 
@@ -149,8 +149,8 @@ def _check_per_layer(units: list, layers: list, decoder_layers: list) -> None:
 def gathered(model: nn.Module, grad: bool, per_layer: bool = False, decoder=None, num_layers: int = 0):
     """Run one walk of ``model`` with its FSDP2 units gathered once (module docstring), or with the decoder
     layers gathered per call (``per_layer``; ``decoder`` and its ``num_layers`` locate them); ``grad``:
-    reduce the gradients. Yields the walk's :class:`~trl_dta.walk.lockstep.Lockstep`. A model without FSDP2
-    units passes through."""
+    reduce the gradients. Yields the walk's :class:`~trl_dta.walk.distributed.lockstep.Lockstep`. A model
+    without FSDP2 units passes through."""
     units = fsdp_units(model)
     outer = _ACTIVE.get(id(units[0])) if units else None  # (per_layer, grad) of a walk running now
     if outer is not None and (outer[0] or (grad and not outer[1])):
@@ -244,7 +244,8 @@ def _drop_unreduced(units: list[nn.Module]) -> None:
 
 def gathered_for_check(model: nn.Module):
     """For a check's own forwards (the probe, the determinism check): the model gathered once, or as the walk
-    running now has it (its preamble, the same on every rank). DeepSpeed: :mod:`trl_dta.walk.deepspeed`."""
+    running now has it (its preamble, the same on every rank). DeepSpeed:
+    :mod:`trl_dta.walk.distributed.deepspeed`."""
     if zero.is_deepspeed(model):
         return zero.gathered_for_check(model)
     units = fsdp_units(model)

@@ -14,7 +14,8 @@ on a :class:`~trl_dta.walk.path_kv.PathKV`. What each comparison catches:
   depends on how a sequence is cut into calls;
 * packed leaves (only where packing is possible): a model that applies its own window or an attention bias
   built from key indices (ALiBi). Packing that differs is not refused: leaves are padded instead;
-* attention per segment (sdpa models: :mod:`trl_dta.walk.segment_attention`): the same calls again (the
+* attention per segment (sdpa models: :mod:`trl_dta.walk.attention.segment_attention`): the same calls again
+(the
   prefix's two segments, each leaf alone, the leaves packed, a packed subtree), through the walk's attention
   function: a model with attention code of its own, or a variant the function does not apply. Where they
   differ or fail, the model's own attention runs with a mask instead.
@@ -36,13 +37,13 @@ import weakref
 import torch
 import transformers
 
-from ..compare import relative_error
+from ...compare import relative_error
+from ..attention.packing import PackedRow, packed_mask
+from ..attention.segment_layout import SegmentLayout
+from ..errors import MEMORY_ERRORS, UnsupportedModelError
+from ..path_kv import PathKV
 from .cache import HAS_STATE_API, STATE_API_VERSION, expand_states, states_of
 from .determinism import check_deterministic
-from .errors import MEMORY_ERRORS, UnsupportedModelError
-from .packing import PackedRow, packed_mask
-from .path_kv import PathKV
-from .segment_layout import SegmentLayout
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ def _walks_as(lm) -> tuple:
 
 
 def keep_verdict(lm) -> None:
-    """Keep the probe's verdict on ``lm`` (a probed :class:`~trl_dta.walk.model.CausalLM`: ``can_pack``,
+    """Keep the probe's verdict on ``lm`` (a probed :class:`~trl_dta.walk.adapter.model.CausalLM`:
+    ``can_pack``,
     ``segment_attention``) for the next probe of its model."""
     _VERDICTS[lm.model] = (_walks_as(lm), (lm.can_pack, lm.segment_attention))
 
@@ -152,7 +154,7 @@ class _Probe:
 
 @torch.no_grad()
 def probe(lm, try_packing: bool, try_segments: bool = False) -> tuple[bool, bool]:
-    """Run the probe on ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`): raise
+    """Run the probe on ``lm`` (a :class:`~trl_dta.walk.adapter.model.CausalLM`): raise
     :class:`UnsupportedModelError` naming the cause if an unpacked path differs from the dense forward;
     return whether packing sibling leaves is exact (tried only if ``try_packing``) and whether attention per
     segment is (only if ``try_segments``; packing is then exact too)."""

@@ -24,8 +24,8 @@ import re
 import torch
 from torch import nn
 
-from ..compare import relative_error
-from .sharding import gathered_for_check
+from ...compare import relative_error
+from ..distributed.sharding import gathered_for_check
 
 # names of settings that hold a probability or a noise scale (a key of a config or an attribute of a module)
 STOCHASTIC_NAME = re.compile(r"dropout|pdrop|layerdrop|jitter", re.IGNORECASE)

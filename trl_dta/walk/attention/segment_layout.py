@@ -1,7 +1,8 @@
 """The layout of one call's segments for attention per segment (:class:`SegmentLayout`: per segment its
 queries and the cache positions of its keys, as a variable-length kernel takes them), and the plain sdpa
-kernels on it (:func:`sdpa_per_segment`, :func:`sdpa_row`). :mod:`trl_dta.walk.segment_attention` attends
-with them, or with torch's flash kernel (:mod:`trl_dta.walk.flash`, checked against :func:`sdpa_per_segment`).
+kernels on it (:func:`sdpa_per_segment`, :func:`sdpa_row`). :mod:`trl_dta.walk.attention.segment_attention`
+attends with them, or with torch's flash kernel (:mod:`trl_dta.walk.attention.flash`, checked against
+:func:`sdpa_per_segment`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .costs import per_segment_pays
-from .errors import UnsupportedModelError
+from ..cost.costs import per_segment_pays
+from ..errors import UnsupportedModelError
 from .packing import PackedRow, packed_visible
 
 ATTENTION = "trl_dta_segments"  # the attention function's name in transformers' AttentionInterface
@@ -106,7 +107,7 @@ class SegmentLayout:
 
     def check_used(self, layers: int, name: str) -> None:
         """Refuse a call whose model did not attend through the registered function
-        (:func:`~trl_dta.walk.segment_attention.attention`) once per attention layer."""
+        (:func:`~trl_dta.walk.attention.segment_attention.attention`) once per attention layer."""
         if self.calls != layers:
             raise UnsupportedModelError(
                 f"{name}: {self.calls} of its {layers} attention layers called transformers' attention "

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..trie import PrefixTrie
-from .scoring import scored_from
+from ...trie import PrefixTrie
+from ..scoring import scored_from
 
 
 def per_token_costs(lm) -> tuple[float, float, float]:
     """(decoder matmul FLOPs per token, attention FLOPs per key per token, LM head FLOPs per scored row) of a
-    :class:`~trl_dta.walk.model.CausalLM`."""
+    :class:`~trl_dta.walk.adapter.model.CausalLM`."""
     config = lm.config
     head = lm.lm_head.weight
     embeddings = lm.base.get_input_embeddings()

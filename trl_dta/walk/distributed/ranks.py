@@ -1,6 +1,7 @@
-"""What the ranks of a sharded walk (FSDP2: :mod:`trl_dta.walk.sharding`; DeepSpeed ZeRO-2/3:
-:mod:`trl_dta.walk.deepspeed`) agree on: how many they are, and how each one's part of a walk ended, so that
-either every rank goes on or every rank raises (and out-of-memory recovery walks again on all of them).
+"""What the ranks of a sharded walk (FSDP2: :mod:`trl_dta.walk.distributed.sharding`; DeepSpeed ZeRO-2/3:
+:mod:`trl_dta.walk.distributed.deepspeed`) agree on: how many they are, and how each one's part of a walk
+ended, so that either every rank goes on or every rank raises (and out-of-memory recovery walks again on all
+of them).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import MEMORY_ERRORS, PeerOutOfMemoryError
+from ..errors import MEMORY_ERRORS, PeerOutOfMemoryError
 
 
 def world_size() -> int:
@@ -36,6 +37,6 @@ def agree_on_outcome(model: nn.Module, error: BaseException | None, failed: str 
     if worst == 1:
         raise PeerOutOfMemoryError(
             "another rank's walk ran out of memory: no rank reduces its gradients, and every rank walks "
-            "again with halved budgets (trl_dta.walk.recovery) or gives up."
+            "again with halved budgets (trl_dta.walk.memory.recovery) or gives up."
         )
     raise RuntimeError(f"another rank {failed}; no rank reduces its gradients.") from error

@@ -1,5 +1,5 @@
 """The memory budget as users type it: ``parse_memory_budget`` reads every accepted form into one canonical
-value, for :class:`~trl_dta.walk.budgets.Budgets` and the trainers' configs alike (one implementation).
+value, for :class:`~trl_dta.walk.memory.budgets.Budgets` and the trainers' configs alike (one implementation).
 
 Accepted forms (strings case-insensitive, spaces around the number and unit allowed)::
 
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .errors import ArgumentTypeError
+from ..errors import ArgumentTypeError
 
 UNITS = {
     "b": 1,

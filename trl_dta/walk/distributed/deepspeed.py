@@ -1,5 +1,5 @@
 """The walk on a model trained with DeepSpeed ZeRO-2 or ZeRO-3 (accelerate's ``distributed_type: DEEPSPEED``):
-the counterpart of :mod:`trl_dta.walk.sharding`'s gather-once mode.
+the counterpart of :mod:`trl_dta.walk.distributed.sharding`'s gather-once mode.
 
 DeepSpeed reduces gradients from hooks on the parameters, as each backward produces them, and ZeRO-3 gathers
 a module's parameters from hooks on the modules, for each forward and backward call. The walk makes many
@@ -24,9 +24,9 @@ one walk:
 As under FSDP2: parameters a rank did not use in a gradient walk (MoE experts no token picked) get zero
 gradients, so every rank reduces the same tensors; a walk inside a walk of the same model runs inside the
 outer one's gather (a gradient walk inside a no-gradient one is refused); across ranks every walk ends with
-the ranks agreeing on its outcome (:func:`~trl_dta.walk.ranks.agree_on_outcome`: if one rank ran out of
-memory, every rank raises and :mod:`trl_dta.walk.recovery` walks again on all of them); a failed walk
-restores the hooks, releases the parameters and drops its gradients, and the trainer makes a rank with
+the ranks agreeing on its outcome (:func:`~trl_dta.walk.distributed.ranks.agree_on_outcome`: if one rank ran
+out of memory, every rank raises and :mod:`trl_dta.walk.memory.recovery` walks again on all of them); a failed
+walk restores the hooks, releases the parameters and drops its gradients, and the trainer makes a rank with
 nothing to walk take part in the others' collectives.
 
 Per walk and rank: ZeRO-3, one all-gather per parameter tensor, all issued by one ``GatheredParameters``
@@ -50,7 +50,7 @@ import weakref
 import torch
 from torch import nn
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 from .lockstep import Lockstep
 from .ranks import agree_on_outcome, world_size
 
@@ -154,7 +154,7 @@ def open_reduction(engine) -> step_reduction | None:
 @contextlib.contextmanager
 def gathered(model: nn.Module, grad: bool, per_layer: bool = False):
     """Run one walk of a DeepSpeed model (module docstring); ``grad``: the walk computes gradients. Yields an
-    inactive :class:`~trl_dta.walk.lockstep.Lockstep` (nothing is gathered per call)."""
+    inactive :class:`~trl_dta.walk.distributed.lockstep.Lockstep` (nothing is gathered per call)."""
     outer = _ACTIVE.get(id(model))
     if outer is not None:
         if grad and not outer:
@@ -175,7 +175,8 @@ def gathered(model: nn.Module, grad: bool, per_layer: bool = False):
     if grad and engine is None:
         raise UnsupportedModelError(
             "a gradient walk of a DeepSpeed model needs its engine: call "
-            "trl_dta.walk.deepspeed.register_engine(engine) with deepspeed.initialize's engine first."
+            "trl_dta.walk.distributed.deepspeed.register_engine(engine) with deepspeed.initialize's engine "
+            "first."
         )
     _ACTIVE[id(model)] = grad
     try:

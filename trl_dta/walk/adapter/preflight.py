@@ -1,12 +1,12 @@
 """What the walk can refuse before it walks anything: from a model, the size of its tokenizer and the longest
 sequence a caller's settings allow, with the messages a first walk would give.
 
-The walk refuses in two places (:mod:`trl_dta.walk.checks`): when it wraps a model in a
-:class:`~trl_dta.walk.model.CausalLM` (the model's structure, its attention backend, the probe's forwards),
-and at each call (randomness left on, token ids outside the vocabulary, sequences longer than an attention
-window, a length-dependent RoPE or a learned position table). :func:`preflight` runs every one of them that
-does not need the sequences themselves, so that a trainer built on a model the walk cannot run fails when it
-is built, not after a generation phase:
+The walk refuses in two places (:mod:`trl_dta.walk.adapter.checks`): when it wraps a model in a
+:class:`~trl_dta.walk.adapter.model.CausalLM` (the model's structure, its attention backend, the probe's
+forwards), and at each call (randomness left on, token ids outside the vocabulary, sequences longer than an
+attention window, a length-dependent RoPE or a learned position table). :func:`preflight` runs every one of
+them that does not need the sequences themselves, so that a trainer built on a model the walk cannot run fails
+when it is built, not after a generation phase:
 
 * the structure and the probe: a model that is not a decoder + LM head, ignores the passed cache, is not
   causal, transforms its logits in a way the walk does not reproduce, keeps states the walk does not carry;
@@ -23,8 +23,8 @@ the tokenizer fits (a dataset tokenized with another tokenizer), a sequence shor
 whose weights are not on this process (the meta device: FSDP's ``cpu_ram_efficient_loading`` loads them on
 rank 0 only), or that is not yet on the device it will run on (a trainer's DeepSpeed or FSDP preparation
 moves it there later), has its structure checked now and is probed at its first walk. The probe's verdict
-is kept for the model's executor (:func:`~trl_dta.walk.probe.kept_verdict`), which takes it instead of probing
-again where the model still walks as probed.
+is kept for the model's executor (:func:`~trl_dta.walk.adapter.probe.kept_verdict`), which takes it instead of
+probing again where the model still walks as probed.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Torch's flash kernel for variable-length batches: the CUDA side of attention per segment.
 
-:mod:`trl_dta.walk.segment_attention` lays a call out as runs of queries, each with its own keys; on CUDA in
-bf16/fp16 that layout runs ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.11: causal as
+:mod:`trl_dta.walk.attention.segment_attention` lays a call out as runs of queries, each with its own keys; on
+CUDA in bf16/fp16 that layout runs ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.11: causal as
 ``window_size=(-1, 0)``; grouped-query attention as it is in 2.11, with ``enable_gqa`` from 2.12; the
 signature is read at run time), one kernel per layer forward and one backward:
 
@@ -26,7 +26,7 @@ import logging
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .errors import MEMORY_ERRORS
+from ..errors import MEMORY_ERRORS
 from .segment_layout import SegmentLayout, sdpa_per_segment
 
 logger = logging.getLogger(__name__)
@@ -166,8 +166,8 @@ _ON = True  # calls on CUDA may use torch's flash kernel (use_flash)
 
 
 def expected(lm) -> bool:
-    """Whether a walk through ``lm`` (a :class:`~trl_dta.walk.model.CausalLM` attending per segment) is
-    expected to attend with the flash kernel: CUDA, activations in bf16/fp16 (its weights', or autocast's),
+    """Whether a walk through ``lm`` (a :class:`~trl_dta.walk.adapter.model.CausalLM` attending per segment)
+    is expected to attend with the flash kernel: CUDA, activations in bf16/fp16 (its weights', or autocast's),
     the kernel on (its check, at the first call, may still refuse it)."""
     if lm.device.type != "cuda" or not enabled() or varlen_attn is None:
         return False

@@ -5,9 +5,9 @@ subtree puts trie nodes and all their descendants in one row, each segment seein
 tree-shaped causal mask). Built on the device from the row's index tensors (:class:`PackedRow`, made for a
 whole walk by :class:`~trl_dta.walk.inputs.WalkInputs`), with shapes known to the host (no
 synchronisation): a 4-D additive mask for eager and sdpa attention, which compute every pair of the row's
-rectangle (sdpa on a CPU attends per segment instead: :mod:`~trl_dta.walk.segment_attention`), or a
+rectangle (sdpa on a CPU attends per segment instead: :mod:`~trl_dta.walk.attention.segment_attention`), or a
 block-sparse ``BlockMask`` for flex attention, which computes only the tiles holding a visible pair. Only for
-models the construction probe finds exact when packed (:mod:`trl_dta.walk.probe`).
+models the construction probe finds exact when packed (:mod:`trl_dta.walk.adapter.probe`).
 """
 
 from __future__ import annotations

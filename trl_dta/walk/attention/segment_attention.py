@@ -1,25 +1,26 @@
 """Attention per segment: each segment of a model call attends only the keys it sees, one kernel per layer.
 
 A call of the walk forwards one segment on its path (a push, a lone leaf) or several in one row (sibling
-leaves, a packed subtree: :mod:`trl_dta.walk.packing`). Each segment's queries see the call's past (cache
-positions ``[0, start)``), the tokens of its ancestors in the row, and its own tokens causally: over its
-keys, a causal mask aligned bottom-right. A :class:`SegmentLayout` holds this for one call: per segment its
-queries (a run of the row) and its keys (position ranges of the path's K/V), as the cumulative lengths and
+leaves, a packed subtree: :mod:`trl_dta.walk.attention.packing`). Each segment's queries see the call's past
+(cache positions ``[0, start)``), the tokens of its ancestors in the row, and its own tokens causally: over
+its keys, a causal mask aligned bottom-right. A :class:`SegmentLayout` holds this for one call: per segment
+its queries (a run of the row) and its keys (position ranges of the path's K/V), as the cumulative lengths and
 key index a variable-length kernel takes. No mask, no rectangle: only the pairs the tree needs.
 
 The kernels, chosen per call (:func:`attention`):
 
-* on CUDA in bf16/fp16: torch's flash kernel for variable-length batches (:mod:`trl_dta.walk.flash`), one
+* on CUDA in bf16/fp16: torch's flash kernel for variable-length batches
+(:mod:`trl_dta.walk.attention.flash`), one
   kernel per layer forward and one backward, on every segment's keys gathered into one tensor
   (``index_select``: segments that share a past each get a copy, recomputed in the backward rather than
   kept); a call with one segment (a push) reads the path's buffer in place;
 * elsewhere (a CPU, float32/64, a head size the flash kernel refuses, a kernel that failed its check): the
   same layout through ``scaled_dot_product_attention``, once per segment; or, for a packed row whose segments
-  see most of its rectangle (:func:`~trl_dta.walk.costs.per_segment_pays`), once for the row with its
+  see most of its rectangle (:func:`~trl_dta.walk.cost.costs.per_segment_pays`), once for the row with its
   tree-shaped mask (copying every segment's keys then costs about what the skipped pairs save). Here the
   gathered keys are kept for the backward (attention is a larger share of a CPU's time;
-  :func:`~trl_dta.walk.memory_model.activation_bytes` counts them). CPU tests check this path exactly (fp64
-  against dense), and the flash kernel is checked against it.
+  :func:`~trl_dta.walk.memory.memory_model.activation_bytes` counts them). CPU tests check this path exactly
+  (fp64 against dense), and the flash kernel is checked against it.
 
 Under autocast both attend in autocast's dtype, as sdpa does there (under bf16 mixed precision over float32
 weights, queries and keys leave their norms and RoPE in float32).
@@ -29,9 +30,9 @@ The hook: :func:`attention` is registered in transformers' ``AttentionInterface`
 transformers' attention functions walks with it. :func:`attending` switches a model's config to it for the
 time of one call and hands it the call's layout; with no mask function registered under that name,
 transformers builds no mask. A model whose layers do not call it once each (their own attention code) is
-caught by :meth:`SegmentLayout.check_used`; the construction probe (:mod:`trl_dta.walk.probe`) compares the
-whole path with the model's dense forward before the walk uses it, and falls back to the model's own
-attention with a mask where it differs.
+caught by :meth:`SegmentLayout.check_used`; the construction probe (:mod:`trl_dta.walk.adapter.probe`)
+compares the whole path with the model's dense forward before the walk uses it, and falls back to the model's
+own attention with a mask where it differs.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ import logging
 
 import torch
 
+from ..errors import UnsupportedModelError
 from . import flash
-from .errors import UnsupportedModelError
 from .segment_layout import ATTENTION, SegmentLayout, key_ranges, sdpa_per_segment, sdpa_row
 
 __all__ = ["ATTENTION", "SegmentLayout", "attending", "attention", "key_ranges", "register"]
@@ -80,8 +81,8 @@ _REFUSED = ("sliding_window", "softcap", "s_aux")  # attention variants the layo
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention-function interface: ``query`` [1, H, T, D], ``key`` / ``value`` [1, Hkv,
-    start + T, D] (the path's K/V and the call's, from :class:`~trl_dta.walk.cache.PathLayer`), the mask
-    (None; ignored) → the output [1, T, H, D] and no weights."""
+    start + T, D] (the path's K/V and the call's, from :class:`~trl_dta.walk.adapter.cache.PathLayer`), the
+    mask (None; ignored) → the output [1, T, H, D] and no weights."""
     layout = _ACTIVE.get()
     if layout is None:
         raise RuntimeError(f"internal: the attention function {ATTENTION!r} was called outside a walk's call")

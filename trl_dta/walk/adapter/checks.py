@@ -1,4 +1,5 @@
-"""Which models the tree walk computes exactly, decided when a :class:`~trl_dta.walk.model.CausalLM` is made.
+"""Which models the tree walk computes exactly, decided when a :class:`~trl_dta.walk.adapter.model.CausalLM`
+is made.
 
 The walk runs a model on pieces of a sequence: a segment on top of its prefix's cached K/V, and sibling
 leaves packed into one row with a hand-made block-diagonal mask. That equals the model's dense forward only
@@ -18,12 +19,12 @@ if nothing in the model depends on how the sequence was cut. What can break it, 
   outside that API are refused, and sibling leaves are never packed (one leaf's state would run into the
   next);
 * a cache the model ignores, an LM-head transform the walk does not reproduce, a model that is not causal:
-  the probe (:mod:`trl_dta.walk.probe`) refuses them, naming the cause.
+  the probe (:mod:`trl_dta.walk.adapter.probe`) refuses them, naming the cause.
 
 Every refusal of a model (or of a call's sequences on it) is an
 :class:`~trl_dta.walk.errors.UnsupportedModelError`. What the caller can fix is a plain ``ValueError`` at
-the call: randomness left on in a training model (:mod:`trl_dta.walk.determinism`: a shared prefix would
-share one dropout mask), a token id outside the vocabulary, a sequence longer than a learned position
+the call: randomness left on in a training model (:mod:`trl_dta.walk.adapter.determinism`: a shared prefix
+would share one dropout mask), a token id outside the vocabulary, a sequence longer than a learned position
 table.
 """
 
@@ -33,8 +34,8 @@ import numbers
 
 from torch import nn
 
+from ..errors import ArgumentTypeError, UnsupportedModelError
 from .determinism import stochastic_settings
-from .errors import ArgumentTypeError, UnsupportedModelError
 
 SUPPORTED_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
@@ -142,10 +143,10 @@ def check_attention_implementation(config) -> None:
 
 def check_no_randomness(model: nn.Module, training: bool | None = None) -> None:
     """Refuse a training model with randomness switched on by a setting
-    (:func:`~trl_dta.walk.determinism.stochastic_settings`: dropout modules, dropout probabilities held on
-    modules, layer drop, router jitter): a shared prefix would share one random draw. ``training``: check as
-    if the model were in that mode (a trainer's model at construction, before the Trainer puts it in train
-    mode); None: its current mode."""
+    (:func:`~trl_dta.walk.adapter.determinism.stochastic_settings`: dropout modules, dropout probabilities
+    held on modules, layer drop, router jitter): a shared prefix would share one random draw. ``training``:
+    check as if the model were in that mode (a trainer's model at construction, before the Trainer puts it in
+    train mode); None: its current mode."""
     if not (model.training if training is None else training):
         return
     found = stochastic_settings(model, as_training=training is not None)
@@ -155,7 +156,8 @@ def check_no_randomness(model: nn.Module, training: bool | None = None) -> None:
             f"randomness is on in train mode ({', '.join(found[:3])}{more}): a shared prefix would share one "
             "dropout mask or random draw among all the sequences through it, so the tree walk would not "
             "equal the dense computation. Put the model in eval mode or set these to 0 (TreePPOTrainer does "
-            "with disable_dropout=True; trl_dta.walk.determinism.disable_randomness(model) does it by hand)."
+            "with disable_dropout=True; trl_dta.walk.adapter.determinism.disable_randomness(model) does it "
+            "by hand)."
         )
 
 
@@ -198,7 +200,7 @@ def check_positions(trie, limit: int | None) -> None:
 
 def check_length(lm, max_length: int, what: str | None = None, hint: str = "") -> None:
     """Refuse sequences longer than the model's attention window or the limit of its length-dependent RoPE
-    (``lm``: a :class:`~trl_dta.walk.model.CausalLM`, or anything with its ``attention_window``,
+    (``lm``: a :class:`~trl_dta.walk.adapter.model.CausalLM`, or anything with its ``attention_window``,
     ``window_kind``, ``rope_limit`` and ``rope_kind``). ``what``: the sequences in the message (default: "a
     sequence of N tokens"; a caller that checks a configured bound names its setting); ``hint``: appended."""
     what = what or f"a sequence of {max_length} tokens"

@@ -4,21 +4,21 @@ A walk holds, at its peak, the autograd graph of the tokens on its stack (at mos
 plus the graph of the call it is running (a leaf batch or a packed subtree, at most ``batch_tokens`` /
 ``subtree_tokens``), and the path's K/V with a float32 gradient buffer beside it. Each of these is a number
 of tokens times a number of bytes per token, which depends only on the model's shapes and dtype
-(:func:`~trl_dta.walk.memory_model.activation_bytes`, an analytic count of what autograd saves in a pre-norm
-decoder layer, checked in ``tests/test_budgets.py`` against the bytes measured on CPU; the memory model is
-:mod:`trl_dta.walk.memory_model`). So a memory budget gives token budgets
+(:func:`~trl_dta.walk.memory.memory_model.activation_bytes`, an analytic count of what autograd saves in a
+pre-norm decoder layer, checked in ``tests/test_budgets.py`` against the bytes measured on CPU; the memory
+model is :mod:`trl_dta.walk.memory.memory_model`). So a memory budget gives token budgets
 (:func:`token_budgets`), in this order of priority:
 
 1. no recompute: the stack keeps the graph of the longest path (the tokens above a leaf), if that leaves
    room for a call of at least ``MIN_CALL_TOKENS`` tokens; otherwise the memory is split 2:1 between the
    stack and the call (the paper's "larger backward block": the recompute falls as the block grows);
 2. the largest calls that fit in the rest, capped where larger calls no longer pay on the device kind
-   (:data:`~trl_dta.walk.costs.DEVICE_COSTS`; the plan then decides, call by call, whether merging pays:
+   (:data:`~trl_dta.walk.cost.costs.DEVICE_COSTS`; the plan then decides, call by call, whether merging pays:
    :mod:`.costs`).
 
 :class:`Budgets` is the one object that owns them for an executor: built once from the options (the only
 place they are validated), it resolves the memory budget, derives the budgets of each walk, halves them when
-a walk runs out of memory and grows them back (:mod:`trl_dta.walk.recovery` decides when), keeps their
+a walk runs out of memory and grows them back (:mod:`trl_dta.walk.memory.recovery` decides when), keeps their
 history and reports them (``in_use``, ``metrics()``).
 """
 
@@ -32,9 +32,9 @@ from typing import NamedTuple
 
 import torch
 
-from .checks import check_count
-from .errors import ArgumentTypeError
-from .heads import default_head
+from ..adapter.checks import check_count
+from ..errors import ArgumentTypeError
+from ..heads import default_head
 from .memory_budget import (
     AUTO_FRACTION,
     auto_memory_bytes,
@@ -90,7 +90,7 @@ class Budgets:
             measured at the first walk, less ``reserved_bytes`` and the first optimizer step's gradients and
             Adam states; a percentage ("80%"): as "auto" with that share instead; elsewhere, and with None,
             the fixed budgets :data:`FIXED`. Given as users type it (``"8GiB"``, ``"6e10"``, ``"none"``: every
-            form :func:`~trl_dta.walk.memory_budget.parse_memory_budget` reads); kept canonical in
+            form :func:`~trl_dta.walk.memory.memory_budget.parse_memory_budget` reads); kept canonical in
             :attr:`memory_budget`.
         block_size, batch_tokens, subtree_tokens: budgets given by hand (None: derived), as
             :class:`~trl_dta.walk.executor.TreeExecutor` documents them. A block given without a memory
@@ -191,10 +191,10 @@ class Budgets:
         return self.memory
 
     def derive(self, trie, lm, entropy_grad: bool = True, head=None) -> TokenBudgets:
-        """The budgets a walk of ``trie`` through ``lm`` (a :class:`~trl_dta.walk.model.CausalLM`) uses:
-        the halved ones after running out of memory; else those given by hand, the others derived from the
-        memory budget for the trie's longest path (:func:`token_budgets`), or :data:`FIXED` where no memory
-        budget applies. ``entropy_grad``: the walk's entropies carry a gradient; ``head``: the walk's
+        """The budgets a walk of ``trie`` through ``lm`` (a :class:`~trl_dta.walk.adapter.model.CausalLM`)
+        uses: the halved ones after running out of memory; else those given by hand, the others derived from
+        the memory budget for the trie's longest path (:func:`token_budgets`), or :data:`FIXED` where no
+        memory budget applies. ``entropy_grad``: the walk's entropies carry a gradient; ``head``: the walk's
         (:mod:`trl_dta.walk.heads`; default: ``lm``'s)."""
         if self._halved is not None:
             return self._halved

@@ -1,8 +1,8 @@
 """Per-layer gathering across ranks (FSDP2, ``gather_per_layer=True``): every rank makes the same collectives.
 
-In the per-layer mode (:mod:`trl_dta.walk.sharding`) FSDP2 gathers a decoder layer for each forward and
-each backward call through it, and reduce-scatters its gradients after each backward call. Those are
-collectives: every rank must make them in the same order. But each rank walks its own trie, so ranks make
+In the per-layer mode (:mod:`trl_dta.walk.distributed.sharding`) FSDP2 gathers a decoder layer for each
+forward and each backward call through it, and reduce-scatters its gradients after each backward call. Those
+are collectives: every rank must make them in the same order. But each rank walks its own trie, so ranks make
 different calls. The lock-step makes them agree:
 
 * **Rounds.** Every plan step is one round: exactly one forward call, then (in a gradient walk) exactly one
