@@ -183,7 +183,7 @@ def run_row(table: Table, config: Config, method: str, inject: bool, n: int, bef
         if budget is None:
             return dict(row, status=why)
         row["memory_budget_gib"] = budget / 2**30
-    if table.left() < est:
+    if table.left() < max(est, MIN_TIMEOUT_S):  # (a row's process takes ~15 s to start: none cut mid-way)
         return dict(row, status="skipped (deadline)", left_s=table.left())
     timeout = int(min(max(MIN_TIMEOUT_S, 3 * est), table.left()))
     folder = os.path.join(args.out, "gpu_table_rows")

@@ -95,3 +95,26 @@ def test_every_call_of_a_walk_covers_its_tensors_exactly():
         )
     assert len(seen) > 10 and any(k > q for q, k, *_ in seen)  # (calls on a past among them)
     assert all(q == cq and k == v == ck for q, k, v, cq, ck in seen)
+
+
+def test_the_kernels_one_time_check_covers_a_lone_segment_read_in_place(caplog):
+    """flash._check (run once per device, dtype and head shape before the walk uses the kernel) on the
+    stand-in: passes for the right kernel; a kernel aligned top-left fails it, with a warning, on both of its
+    calls (two segments gathered, and a lone segment on a past read in place from the strided path buffer)."""
+    from trl_dta.walk.attention.segment_layout import SegmentLayout
+
+    saved = flash.varlen_attn
+    try:
+        flash.varlen_attn = reference_varlen_attn
+        assert flash._check(torch.device("cpu"), torch.bfloat16, 4, 2, 16, 0.25)
+        with flash_parity.mutation("top-left") as top_left:
+            flash.varlen_attn = top_left
+            assert not flash._check(torch.device("cpu"), torch.bfloat16, 4, 2, 16, 0.25)
+            gen = torch.Generator().manual_seed(0)
+            lone = SegmentLayout.build([8], (-1,), 4, "cpu")
+            assert (
+                flash._check_call(lone, (4, 2, 16), torch.bfloat16, 0.25, gen) > 0.1
+            )  # (the lone call alone)
+    finally:
+        flash.varlen_attn = saved
+    assert "differs from sdpa" in caplog.text

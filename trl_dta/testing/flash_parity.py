@@ -280,14 +280,20 @@ def run(
         ref = _dense(reference, scenario)
         errors = {"dense": relative_error(_dense(model, scenario), ref)}
         trie = PrefixTrie.from_sequences(scenario.sequences)
-        executor = TreeExecutor(model, **scenario.budgets)
+        # (no memory budget: the given budgets and no cost model, so the flash and sdpa walks run one plan,
+        # as on a CPU; on CUDA "auto" would plan with the device's costs and price kept keys for sdpa only)
+        executor = TreeExecutor(model, memory_budget=None, **scenario.budgets)
+        plan = executor.plan(trie, entropy_grad=False, record=False)
+        with flash.use_flash(False):
+            assert executor.plan(trie, entropy_grad=False, record=False) == plan, (
+                "the two walks' plans differ"
+            )
         before = calls.total
         with _kernel(device, calls, kernel):
             errors["flash"] = relative_error(_walk(executor, model, scenario), ref)
         flash_calls = calls.total - before
         with flash.use_flash(False):
             errors["sdpa"] = relative_error(_walk(executor, model, scenario), ref)
-        plan = executor.plan(trie, entropy_grad=False, record=False)
         recomputed = sum(p.segment.num_tokens for p in plan if isinstance(p, Push) and not p.keep_graph)
         calls.count["pop_recompute"] += int(recomputed > 0)
         bound = BOUND_FACTOR * errors["sdpa"] + BOUND_FLOOR

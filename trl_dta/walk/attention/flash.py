@@ -83,6 +83,26 @@ def _flash(q, k, v, layout, scale: float, kernel=None) -> torch.Tensor:
     return kernel(q, k, v, layout.q_cu, layout.k_cu, max_q, max_k, scale=scale, **kwargs)
 
 
+def _check_call(layout, shapes, dtype, scale: float, gen) -> float:
+    """One call of :func:`_check`: the flash kernel in ``dtype`` against sdpa per segment in float32 on the
+    same inputs, the largest relative error of the output and the gradients."""
+    (heads, kv_heads, head_dim), device = shapes, layout.q_cu.device
+    tokens = layout.start + layout.tokens
+    q = torch.randn(1, heads, layout.tokens, head_dim, device=device, generator=gen)
+    buffer = torch.randn(2, 1, kv_heads, tokens + 3, head_dim, device=device, generator=gen)
+    grad = torch.randn(layout.tokens, heads, head_dim, device=device, generator=gen)
+    outs = []
+    for run, cast in ((_flash, dtype), (sdpa_per_segment, torch.float32)):
+        qq, kv = (t.detach().to(cast).requires_grad_() for t in (q, buffer))
+        k, v = (b[0, :, :tokens].transpose(0, 1) for b in kv)  # (strided as the path's K/V)
+        out = run(qq[0].transpose(0, 1), *layout.gather(k, v), layout, scale)
+        out.float().backward(grad)
+        outs.append([out.float(), qq.grad.float(), kv.grad.float()])
+    return max(
+        ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item() for a, b in zip(*outs, strict=True)
+    )
+
+
 def _check_covered(q, k, v, layout) -> None:
     """Refuse a call whose ``q``, ``k`` or ``v`` is not exactly as long as its last cumulative length: torch's
     varlen backward returns NaN without an error where a tensor is longer (pytorch issue 176793, no check up
@@ -109,30 +129,20 @@ def usable(q, k, dtype, scale: float) -> bool:
 
 
 def _check(device, dtype, heads: int, kv_heads: int, head_dim: int, scale: float) -> bool:
-    """Run the flash kernel on a small call of two segments (one on a past) in the path buffer's strides and
-    compare its outputs and gradients with the sdpa path's in float32; warn and return False where it fails or
-    differs."""
+    """Run the flash kernel on two small calls in the path buffer's strides, two segments gathered (one on a
+    past) and a lone segment on a past read in place (strided K/V, as a push hands them), and compare its
+    outputs and gradients with the sdpa path's in float32; warn and return False where it fails or differs."""
     if _flash_kwargs(heads != kv_heads) is None:
         return False
     try:
         with torch.enable_grad(), torch.autocast(device.type, enabled=False):
             gen = torch.Generator(device=device).manual_seed(0)
-            layout = SegmentLayout.build([5, 3], (-1, 0), 4, device)
-            tokens = 4 + layout.tokens
-            q = torch.randn(1, heads, layout.tokens, head_dim, device=device, generator=gen)
-            buffer = torch.randn(2, 1, kv_heads, tokens + 3, head_dim, device=device, generator=gen)
-            grad = torch.randn(layout.tokens, heads, head_dim, device=device, generator=gen)
-            outs = []
-            for run, cast in ((_flash, dtype), (sdpa_per_segment, torch.float32)):
-                qq, kv = (t.detach().to(cast).requires_grad_() for t in (q, buffer))
-                k, v = (b[0, :, :tokens].transpose(0, 1) for b in kv)  # (strided as the path's K/V)
-                out = run(qq[0].transpose(0, 1), *layout.gather(k, v), layout, scale)
-                out.float().backward(grad)
-                outs.append([out.float(), qq.grad.float(), kv.grad.float()])
-            err = max(
-                ((a - b).abs().max() / b.abs().max().clamp_min(1e-6)).item()
-                for a, b in zip(*outs, strict=True)
+            shapes = (heads, kv_heads, head_dim)
+            calls = (
+                SegmentLayout.build([5, 3], (-1, 0), 4, device),
+                SegmentLayout.build([8], (-1,), 4, device),
             )
+            err = max(_check_call(layout, shapes, dtype, scale, gen) for layout in calls)
     except MEMORY_ERRORS:
         raise
     except Exception as e:  # noqa: BLE001 - a kernel that refuses these shapes or this device
