@@ -1,10 +1,10 @@
 """The code's layout, as docs/development.md states it, read from the source (``ast``: nothing imported):
 data flows one way (``walk/`` imports nothing of ``train/`` or TRL); ``walk/`` is a core and a folder per
 concern whose modules never import the core's loop, and the trainers use the walk through its executor and
-options only; in ``train/`` each method is a folder
-that imports the shared seam at ``train/``'s root, the seam imports no method, and no module of the package
-imports itself through a cycle (deferred and annotation-only imports included); no library file is over 400
-lines, and none switches the formatter off."""
+options only; ``train/``'s folders are methods (a trainer) and model passes (a second model walked on the
+policy's trie), a method imports the seam at ``train/``'s root and model passes, a model pass no method, the
+seam no folder; no module of the package imports itself through a cycle (deferred and annotation-only
+imports included); no library file is over 400 lines, and none switches the formatter off."""
 
 from __future__ import annotations
 
@@ -15,7 +15,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "trl_dta"
-METHODS = ("ppo", "async_ppo", "sft", "critic")  # train/'s folders; the rest of train/ is the seam
+# train/'s folders are of two kinds: a method (a trainer on a TRL trainer: the folder has a trainer.py) and a
+# model pass (a second model walked on the policy's trie, trl_dta/train/model_pass.py: no trainer.py); the
+# files at train/'s root are the seam
+FOLDERS = sorted(p.name for p in (PACKAGE / "train").iterdir() if (p / "__init__.py").exists())
+METHODS = tuple(f for f in FOLDERS if (PACKAGE / "train" / f / "trainer.py").exists())
+MODEL_PASSES = tuple(f for f in FOLDERS if f not in METHODS)
 
 
 def module_name(path: Path) -> str:
@@ -54,9 +59,9 @@ MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 GRAPH = {name: {m for m in imports(path) if m in MODULES and m != name} for name, path in MODULES.items()}
 
 
-def method_of(name: str) -> str | None:
+def folder_of(name: str) -> str | None:
     parts = name.split(".")
-    return parts[2] if len(parts) > 3 and parts[1] == "train" and parts[2] in METHODS else None
+    return parts[2] if len(parts) > 3 and parts[1] == "train" and parts[2] in FOLDERS else None
 
 
 def test_walk_knows_nothing_of_train_or_trl():
@@ -104,20 +109,38 @@ def test_the_trainers_use_the_walk_through_its_executor_and_options_only():
             assert used <= TRAINERS_MAY_USE, f"{name} uses walk internals: {sorted(used - TRAINERS_MAY_USE)}"
 
 
-def test_the_seam_imports_no_method_and_a_method_imports_no_other_but_the_critic():
+def test_the_seam_imports_no_folder_a_method_no_other_method_and_a_model_pass_no_method():
+    assert METHODS and MODEL_PASSES, f"train/'s folders: {FOLDERS}"
     for name, deps in GRAPH.items():
         if not name.startswith("trl_dta.train.") or name == "trl_dta.train":
             continue
-        mine = method_of(name)
+        mine = folder_of(name)
         for dep in deps:
-            theirs = method_of(dep)
+            theirs = folder_of(dep)
             if mine is None:  # the seam (train/'s root files)
-                assert theirs is None, f"the seam's {name} imports the method module {dep}"
+                assert theirs is None, f"the seam's {name} imports {dep} (train/{theirs}/)"
+            elif mine in METHODS:
+                assert theirs in (None, mine, *MODEL_PASSES), f"{name} ({mine}/) imports {dep} ({theirs}/)"
             else:
-                assert theirs in (None, mine, "critic"), f"{name} ({mine}/) imports {dep} ({theirs}/)"
-            assert mine != "critic" or theirs in (None, "critic"), (
-                f"critic/ imports a method: {name} -> {dep}"
-            )
+                assert theirs in (None, mine), f"the model pass {name} ({mine}/) imports {dep} ({theirs}/)"
+
+
+def test_a_model_pass_folder_holds_a_model_pass():
+    """Each model pass folder has a class built with the trainer (``for_trainer``): what
+    trl_dta/train/model_pass.py's protocols describe; the value model meets the trained one's."""
+    from trl_dta.train.critic.value_model import ValueModel
+    from trl_dta.train.model_pass import ModelPass, TrainedPass
+
+    for folder in MODEL_PASSES:
+        classes = [
+            node.name
+            for path in (PACKAGE / "train" / folder).glob("*.py")
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ClassDef)
+            and any(isinstance(f, ast.FunctionDef) and f.name == "for_trainer" for f in node.body)
+        ]
+        assert classes, f"train/{folder}/ has no trainer.py and no model pass (a class with for_trainer)"
+    assert issubclass(ValueModel, TrainedPass) and issubclass(ValueModel, ModelPass)
 
 
 def _all_imports(path: Path) -> set[str]:

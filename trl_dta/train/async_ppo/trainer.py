@@ -52,12 +52,10 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer, async_grpo_trainer
 from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset, _EmptyIterableDataset
 
 from ..critic.value_model import ValueModel, ValueModelCheckpoints
-from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments, rollout_length
-from ..step import StepWalker
-from ..step_clock import StepClockCallback
 from ..step_schedule import StepSchedule, checked, same_micro_batch
 from ..tree_args import PAPER
+from ..tree_trainer import TreeTrainer
 from .config import AsyncTreePPOConfig, check_async_arguments
 from .data import SampleBatcher, SampleCollator, VersionedQueue
 from .loss import (
@@ -73,7 +71,7 @@ from .minibatches import ProximalPasses, add_pass_fields
 from .values import check_episodes, sample_targets
 
 
-class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelCheckpoints, AsyncGRPOTrainer):
+class AsyncTreePPOTrainer(TreeTrainer, ValueModelCheckpoints, AsyncGRPOTrainer):
     """TRL's ``AsyncGRPOTrainer`` (same arguments) training on one prefix trie of each optimizer step's
     rollouts: shared prefixes are forwarded and backpropagated once, memory is bounded by one root-to-leaf
     path (the ``tree_*`` budgets), no sample is dropped for its length, any attention the walk supports
@@ -128,14 +126,10 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelCheckpoints, AsyncGRPOTra
                 "AsyncTreePPOTrainer trains text-only causal LMs; this checkpoint is vision-language."
             )
         self._use_walk_attention()
-        self._walker = StepWalker(self.args, self.accelerator, self.model)
-        self.add_callback(StepClockCallback(self._walker.step_clock))  # (times the decided steps)
-        self._walker.check_models(  # (before the rollout worker starts: what the first walk would refuse)
-            self.model,
-            tokenizer=self.processing_class,
-            length=rollout_length(self.args),
-            disable_dropout=getattr(self.args, "disable_dropout", True),
-        )
+        disable_dropout = getattr(self.args, "disable_dropout", True)
+        self._start_walking(
+            rollout_length(self.args), disable_dropout=disable_dropout
+        )  # (before the rollouts)
         a = self.args
         self._decoupled = None  # AReaL's decoupled objective (use_decoupled_loss), else TRL's coupled one
         if getattr(a, "use_decoupled_loss", False):
@@ -143,7 +137,6 @@ class AsyncTreePPOTrainer(RetriesDenseSteps, ValueModelCheckpoints, AsyncGRPOTra
         self._critic = None  # PPO's value model (value_model=: async_ppo/values.py), else None
         if value_model is not None:
             self._critic = ValueModel.for_trainer(value_model, self, rollout_length(a))
-        self._schedule: StepSchedule | None = None  # the current optimizer step's micro-batches
         self._passes = None  # ppo_n_minibatches > 1: the steps of the current proximal pass
         if getattr(a, "ppo_n_minibatches", 1) > 1:
             self._passes = ProximalPasses(a.ppo_n_minibatches, self._proximal_pass)

@@ -35,12 +35,10 @@ from trl import GRPOTrainer
 from ...vllm import VLLMMixin
 from ..critic.value_model import ValueModel, ValueModelCheckpoints
 from ..dense_fallback import refuse_always
-from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments, rollout_length
-from ..step import StepWalker
-from ..step_clock import StepClockCallback
 from ..step_schedule import StepSchedule, checked
 from ..tree_args import PAPER
+from ..tree_trainer import TreeTrainer
 from .config import TreePPOConfig
 from .losses import ROW_NORMALISED, LossSettings, RowLoss, loss_mask
 from .repartition import lexicographic, repartition
@@ -55,7 +53,7 @@ _MULTIMODAL = tuple(  # the multimodal inputs TRL's batches can carry (refused)
 )
 
 
-class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelCheckpoints, GRPOTrainer):
+class TreePPOTrainer(TreeTrainer, VLLMMixin, ValueModelCheckpoints, GRPOTrainer):
     """A drop-in replacement for ``trl.GRPOTrainer`` (same arguments) that trains on one prefix trie of each
     optimizer step's rollouts: shared prefixes are forwarded and backpropagated once, with exactly the
     dense gradients.
@@ -93,20 +91,15 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelCheckpoints, GRPOTr
         check_arguments(args, model, kwargs.get("peft_config"))  # (before TRL's set-up)
         super().__init__(model, reward_funcs, args, *rest, **kwargs)
         a = self.args
-        self._walker = StepWalker(a, self.accelerator, self.model)
-        self.add_callback(StepClockCallback(self._walker.step_clock))  # (times the decided steps)
-        self._walker.reserve(self.vllm_reserved_bytes())  # (a colocated vLLM engine's share, VLLMMixin)
-        self._schedule: StepSchedule | None = None  # the current optimizer step's micro-batches
+        self._start_walking(  # (a colocated vLLM engine's share reserved: VLLMMixin)
+            rollout_length(a),
+            self.ref_model,
+            disable_dropout=a.disable_dropout,
+            reserved_bytes=self.vllm_reserved_bytes(),
+        )
         self._tree_lexicographic = getattr(a, "tree_lexicographic_steps", False)
         self._tree_ordered = None  # the buffered micro-batches last put in lexicographic order
         self._loss_settings = LossSettings.from_trainer(self)
-        self._walker.check_models(  # (before any generation: what the first walk would refuse)
-            self.model,
-            self.ref_model,
-            tokenizer=self.processing_class,
-            length=rollout_length(a),
-            disable_dropout=a.disable_dropout,
-        )
         self._critic = None  # PPO's value model (value_model=: critic/value_model.py), else None
         if value_model is not None:  # (after the policy's checks)
             self._critic = ValueModel.for_trainer(value_model, self, rollout_length(a))
@@ -120,10 +113,6 @@ class TreePPOTrainer(RetriesDenseSteps, VLLMMixin, ValueModelCheckpoints, GRPOTr
         self._router_loss_walks = self._repartition and self.aux_loss_enabled
         if self._router_loss_walks:
             refuse_always(self._walker.dense_fallback, "with a router loss on re-partitioned rows")
-
-    def _executor(self, model):
-        """The walk's executor of ``model`` (the step seam's)."""
-        return self._walker.executor(model)
 
     # ------------------------------------------------------------------ multi-process: re-partition
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

@@ -41,12 +41,11 @@ from dataclasses import dataclass
 import torch
 from trl import SFTTrainer
 
-from ..dense_retry import RetriesDenseSteps
 from ..refusals import check_arguments
-from ..step import StepSequence, StepWalk, StepWalker
-from ..step_clock import StepClockCallback
+from ..step import StepSequence, StepWalk
 from ..step_schedule import StepSchedule, checked, same_micro_batch
 from ..tree_args import PAPER
+from ..tree_trainer import TreeTrainer
 from .config import TreeSFTConfig
 from .samples import Sample, batch_samples, num_input_tokens, sample_length, trained_tokens
 
@@ -65,7 +64,7 @@ class _MicroBatch:
     aux: torch.Tensor | None = None  # MoE: its load-balancing loss (TRL's aux_loss metric)
 
 
-class TreeSFTTrainer(RetriesDenseSteps, SFTTrainer):
+class TreeSFTTrainer(TreeTrainer, SFTTrainer):
     """A drop-in replacement for ``trl.SFTTrainer`` (same arguments, datasets and collator) that trains on one
     prefix trie of each optimizer step's samples: shared prefixes (a system prompt and tool schemas, earlier
     turns of a conversation) are forwarded and backpropagated once, with exactly the dense gradients.
@@ -97,17 +96,10 @@ class TreeSFTTrainer(RetriesDenseSteps, SFTTrainer):
         check_arguments(args, model, kwargs.get("peft_config"))  # (before TRL prepares the datasets)
         super().__init__(model, args, *rest, **kwargs)
         self._refuse_unsupported()
-        self._walker = StepWalker(self.args, self.accelerator, self.model)
-        self.add_callback(StepClockCallback(self._walker.step_clock))  # (times the decided steps)
         self._tree_accuracy = getattr(self.args, "tree_token_accuracy", TreeSFTConfig.tree_token_accuracy)
-        self._schedule: StepSchedule | None = None  # the current optimizer step's micro-batches
         length = sample_length(self.args, self.train_dataset, self.eval_dataset)
-        self._walker.check_models(  # (before any step: what the first walk would refuse)
-            self.model,
-            tokenizer=self.processing_class,
-            length=length,
-            disable_dropout=getattr(self.args, "disable_dropout", TreeSFTConfig.disable_dropout),
-        )
+        disable_dropout = getattr(self.args, "disable_dropout", TreeSFTConfig.disable_dropout)
+        self._start_walking(length, disable_dropout=disable_dropout)
 
     def _refuse_unsupported(self) -> None:
         """What the walk cannot do in an SFT run (the rest: :class:`~trl_dta.train.step.StepWalker`)."""
@@ -132,10 +124,6 @@ class TreeSFTTrainer(RetriesDenseSteps, SFTTrainer):
         parallelism = self.accelerator.parallelism_config
         if parallelism is not None and (parallelism.cp_enabled or parallelism.sp_enabled):
             raise ValueError("context and sequence parallelism are not supported by the tree walk.")
-
-    def _executor(self, model):
-        """The walk's executor of ``model`` (the step seam's)."""
-        return self._walker.executor(model)
 
     # ------------------------------------------------------------------ the step's micro-batches
     def get_batch_samples(self, epoch_iterator, num_batches, device):
