@@ -5,6 +5,7 @@ its last cumulative length (its backward returns NaN then, without an error: pyt
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -17,6 +18,59 @@ from trl_dta.walk.attention import flash
 from trl_dta.walk.attention.segment_layout import SegmentLayout
 
 SCALE = 0.0625  # (the scenarios' lengths: 32-100 tokens a sequence on the tiny model)
+
+
+# ---------------------------------------------------------------------- the flash path broken on purpose
+def _top_left(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kwargs
+):
+    """The stand-in with causal masking aligned top-left: a segment's query j sees its first j + 1 keys (its
+    past's, where it has one), not the last."""
+    q_cu, k_cu = cu_seq_q.tolist(), cu_seq_k.tolist()
+    outs = []
+    for a, b, c in zip(q_cu, q_cu[1:], k_cu, strict=False):
+        n = b - a
+        runs = torch.tensor([0, n], dtype=torch.int32, device=query.device)
+        outs.append(
+            reference_varlen_attn(
+                query[a:b],
+                key[c : c + n],
+                value[c : c + n],
+                runs,
+                runs,
+                n,
+                n,
+                scale=scale,
+                window_size=window_size,
+            )
+        )
+    return torch.cat(outs)
+
+
+@contextlib.contextmanager
+def mutation(name: str):
+    """Within: the flash path broken on purpose: ``"top-left"`` (use the returned kernel)
+    or ``"no-recompute"`` (the gathered keys and values of a packed call detached: nothing recomputes them
+    in the backward, so no gradient reaches them). Yields the kernel to pass to ``flash_parity.run`` (or
+    None)."""
+    if name == "top-left":
+        yield _top_left
+    elif name == "no-recompute":
+        saved = flash.attend
+
+        def attend(q, k, v, layout, scale, dtype):
+            if layout.key_index is None:
+                return saved(q, k, v, layout, scale, dtype)
+            keys = (t.detach().to(dtype) for t in layout.gather(k, v))
+            return flash._flash(q.to(dtype), *keys, layout, scale, flash.varlen_attn)
+
+        flash.attend = attend
+        try:
+            yield None
+        finally:
+            flash.attend = saved
+    else:
+        raise ValueError(name)
 
 
 def run(kernel=None) -> dict:
@@ -38,7 +92,7 @@ def test_the_bf16_parity_item_passes_with_the_stand_in_kernel():
 
 @pytest.mark.parametrize("name", ["top-left", "no-recompute"])
 def test_the_bf16_parity_item_fails_with_a_broken_flash_path(name):
-    with flash_parity.mutation(name) as kernel:
+    with mutation(name) as kernel:
         report = run(kernel)
     assert not report["ok"]
     for scenario in report["scenarios"]:  # (every scenario has segments on a past and packed calls)
@@ -107,7 +161,7 @@ def test_the_kernels_one_time_check_covers_a_lone_segment_read_in_place(caplog):
     try:
         flash.varlen_attn = reference_varlen_attn
         assert flash._check(torch.device("cpu"), torch.bfloat16, 4, 2, 16, 0.25)
-        with flash_parity.mutation("top-left") as top_left:
+        with mutation("top-left") as top_left:
             flash.varlen_attn = top_left
             assert not flash._check(torch.device("cpu"), torch.bfloat16, 4, 2, 16, 0.25)
             gen = torch.Generator().manual_seed(0)

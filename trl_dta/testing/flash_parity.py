@@ -12,9 +12,11 @@ max|b| per gradient tensor, the largest: :func:`~trl_dta.compare.relative_error`
   use_flash` off);
 * ``dense``: the model's own bf16 forward and backward, one sequence at a time.
 
-**The bound**: ``flash <= BOUND_FACTOR x sdpa + BOUND_FLOOR``. The two walks run the same bf16 operations in
-the same order except the attention kernel, and both kernels accumulate in fp32 and round their output once
-to bf16 (FlashAttention-2's tiles, sdpa's fused kernels, the stand-in alike): the kernel adds about one bf16
+**The bound**: ``flash <= BOUND_FACTOR x sdpa + BOUND_FLOOR`` over all gradients (1.5x + 2e-3), and per
+tensor ``TENSOR_FACTOR x sdpa + TENSOR_FLOOR`` (2.5x + 5e-3: a small tensor's error is noisier). The two
+walks run the same bf16 operations in the same order except the attention kernel, and both kernels
+accumulate in fp32 and round their output once to bf16 (FlashAttention-2's tiles, sdpa's fused kernels, the
+stand-in alike): the kernel adds about one bf16
 rounding of the attention output to the several a decoder layer makes anyway (projections, norms, MLP), so
 the flash path's error is of the sdpa path's order (the factor leaves room for a different rounding of the
 same magnitude; the floor, for an sdpa error that happens to be tiny on a small case). A wrong layout (a
@@ -28,8 +30,8 @@ the run (a scenario set that stops exercising one fails, rather than passing on 
 prompt and multi-turn branches, chunked at a small block size: pops recomputed), and one-query segments
 (completions and branch nodes of one token).
 
-:func:`mutation` makes the checks fail on purpose: a kernel that aligns causal masking top-left, or a flash
-path that drops the gather's recompute (no gradient through the gathered keys): the CPU tests show both.
+The CPU tests (``tests/test_flash_parity.py``) make the checks fail on purpose: a kernel that aligns causal
+masking top-left, or a flash path that drops the gather's recompute (no gradient through the gathered keys).
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ TINY = dict(
     tie_word_embeddings=True,
 )
 BOUND_FACTOR, BOUND_FLOOR = 1.5, 2e-3
+# per tensor, looser: a small tensor's gradient (a norm's weight: a sum over every token of bf16 products) has
+# a noisier relative error than the largest one (2x the sdpa path's seen on a CPU); still far below O(1)
+TENSOR_FACTOR, TENSOR_FLOOR = 2.5, 5e-3
 # the kernel's calls by kind (each must occur), and "pop_recompute": the walk's own chunked backward, which
 # forwards a long node's blocks without a graph and again with one when it pops (read from the plan)
 KINDS = ("lone", "packed", "on_past", "recompute", "long", "one_query", "gqa", "pop_recompute")
@@ -290,10 +295,16 @@ def run(
             )
         before = calls.total
         with _kernel(device, calls, kernel):
-            errors["flash"] = relative_error(_walk(executor, model, scenario), ref)
+            got = _walk(executor, model, scenario)
         flash_calls = calls.total - before
         with flash.use_flash(False):
-            errors["sdpa"] = relative_error(_walk(executor, model, scenario), ref)
+            sdpa = _walk(executor, model, scenario)
+        errors["flash"], errors["sdpa"] = relative_error(got, ref), relative_error(sdpa, ref)
+        # (per tensor too: a tensor the kernel reaches must not hide behind another's larger error)
+        excess = max(
+            (relative_error(got[n], r) - TENSOR_FACTOR * relative_error(sdpa[n], r) - TENSOR_FLOOR, n)
+            for n, r in ref.items()
+        )
         recomputed = sum(p.segment.num_tokens for p in plan if isinstance(p, Push) and not p.keep_graph)
         calls.count["pop_recompute"] += int(recomputed > 0)
         bound = BOUND_FACTOR * errors["sdpa"] + BOUND_FLOOR
@@ -307,7 +318,8 @@ def run(
                 "bound": bound,
                 "flash_calls": flash_calls,
                 "recomputed_tokens": recomputed,
-                "ok": flash_calls > 0 and errors["flash"] <= bound,
+                "worst_tensor": {"name": excess[1], "over_bound": excess[0]},
+                "ok": flash_calls > 0 and errors["flash"] <= bound and excess[0] <= 0,
             }
         )
         if on_scenario is not None:
@@ -328,12 +340,13 @@ def lines(report: dict) -> list[str]:
     """The report, a line per scenario and one for the kernel's calls by kind."""
     out = []
     for s in report["scenarios"]:
-        e = s["errors"]
+        e, worst = s["errors"], s["worst_tensor"]
         verdict = "ok" if s["ok"] else ("FAILED: no flash call" if not s["flash_calls"] else "FAILED")
         out.append(
             f"{s['name']} ({s['tokens']:,} tokens, {s['unique_tokens']:,} unique, "
             f"{s['flash_calls']} flash calls): vs fp32 flash {e['flash']:.2e}, sdpa {e['sdpa']:.2e}, "
-            f"dense {e['dense']:.2e}; bound {s['bound']:.2e}: {verdict}"
+            f"dense {e['dense']:.2e}; bound {s['bound']:.2e}; per tensor {worst['over_bound']:+.1e} "
+            f"from its bound ({worst['name']}): {verdict}"
         )
     errors = {k: "-" if e is None else f"{e:.1e}" for k, e in report["kernel_errors"].items()}
     kinds = ", ".join(f"{k} {report['calls'][k]} ({errors[k]})" for k in KINDS)
@@ -345,55 +358,3 @@ def lines(report: dict) -> list[str]:
             f"FAILED: kernel error over {report['kernel_tolerance']:g} for {', '.join(report['loose_kinds'])}"
         )
     return out
-
-
-# ---------------------------------------------------------------------- mutations: the checks must fail
-def _top_left(
-    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **kwargs
-):
-    """The stand-in with causal masking aligned top-left: a segment's query j sees its first j + 1 keys (its
-    past's, where it has one), not the last."""
-    q_cu, k_cu = cu_seq_q.tolist(), cu_seq_k.tolist()
-    outs = []
-    for a, b, c in zip(q_cu, q_cu[1:], k_cu, strict=False):
-        n = b - a
-        runs = torch.tensor([0, n], dtype=torch.int32, device=query.device)
-        outs.append(
-            reference_varlen_attn(
-                query[a:b],
-                key[c : c + n],
-                value[c : c + n],
-                runs,
-                runs,
-                n,
-                n,
-                scale=scale,
-                window_size=window_size,
-            )
-        )
-    return torch.cat(outs)
-
-
-@contextlib.contextmanager
-def mutation(name: str):
-    """Within: the flash path broken on purpose (module docstring): ``"top-left"`` (use the returned kernel)
-    or ``"no-recompute"`` (the gathered keys and values of a packed call detached: nothing recomputes them
-    in the backward, so no gradient reaches them). Yields the kernel to pass to :func:`run` (or None)."""
-    if name == "top-left":
-        yield _top_left
-    elif name == "no-recompute":
-        saved = flash.attend
-
-        def attend(q, k, v, layout, scale, dtype):
-            if layout.key_index is None:
-                return saved(q, k, v, layout, scale, dtype)
-            keys = (t.detach().to(dtype) for t in layout.gather(k, v))
-            return flash._flash(q.to(dtype), *keys, layout, scale, flash.varlen_attn)
-
-        flash.attend = attend
-        try:
-            yield None
-        finally:
-            flash.attend = saved
-    else:
-        raise ValueError(name)
