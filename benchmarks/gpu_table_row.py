@@ -113,8 +113,8 @@ def run(args, row: dict) -> None:
             "oom_halvings": sum(c.event == "halved" for c in ex.budgets.history),
             "peak_memory_gib": None if ex.peak_memory is None else ex.peak_memory / 2**30,
             # how its calls attended (trl_dta/walk/attention/segment_attention.py), and the flash kernel's
-            # check per
-            # (device, dtype, heads, kv heads, head dim): False means it fell back to sdpa per segment
+            # check per (device, dtype, heads, kv heads, head dim): False means it fell back to sdpa per
+            # segment
             "attention": "segments" if ex.lm.segment_attention else "mask",
             "flash_checks": {str(k): v for k, v in flash._VERDICTS.items()},
         }  # fmt: skip

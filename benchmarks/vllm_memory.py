@@ -79,10 +79,9 @@ def walk_peak(
 ) -> float:
     """The walk's activation peak at these budgets (bytes), under bf16 autocast over float32 weights (the GPU
     config): values-only entropies (TRL's default: no entropy bonus). Without ``trie``, the memory model
-    ``token_budgets`` plans with (every token counted as scored, the path as long as the block); with it,
-    that model applied to the walk's plan step by step (``trl_dta.walk.memory.memory_model.plan_peak``: the
-    plan of the fixed budgets, its calls' ``attention``). Both add autocast's bf16 copies of the weights and,
-    with
+    ``token_budgets`` plans with (every token counted as scored, the path as long as the block); with it, that
+    model applied to the walk's plan step by step (``trl_dta.walk.memory.memory_model.plan_peak``: the plan of
+    the fixed budgets, its calls' ``attention``). Both add autocast's bf16 copies of the weights and, with
     ``gradients_held`` (gradients allocated before the walk, as ``measured`` does; TRL's first micro-batch of
     a step has none), the fresh float32 gradients the walk accumulates into before adding them."""
     per = activation_bytes(config, torch.bfloat16, entropy_grad=False, autocast=True)

@@ -12,11 +12,11 @@ inside one
   :class:`~trl_dta.walk.distributed.deepspeed.step_reduction` of the engine, opened at the step's first
   gradient walk. The Trainer's ``accelerator.backward`` is routed to :meth:`StepFlow.backward`: after the
   step's last micro-batch it closes the block (one flush: DeepSpeed reduces the gradients, averaged over
-  ranks) and runs
-  ``engine.step()`` (clipping to ``gradient_clipping``, which accelerate sets from ``max_grad_norm``, the
-  optimizer step, the scheduler step, zeroing), as accelerate's ``DeepSpeedEngineWrapper.backward`` does
-  after ``engine.backward``. ``engine.backward`` itself is never called: the loss the trainer hands back has
-  no path to the parameters (the gradients are in place already), which ZeRO-2 rejects with an IndexError.
+  ranks) and runs ``engine.step()`` (clipping to ``gradient_clipping``, which accelerate sets from
+  ``max_grad_norm``, the optimizer step, the scheduler step, zeroing), as accelerate's
+  ``DeepSpeedEngineWrapper.backward`` does after ``engine.backward``. ``engine.backward`` itself is never
+  called: the loss the trainer hands back has no path to the parameters (the gradients are in place already),
+  which ZeRO-2 rejects with an IndexError.
 * Under FSDP2 and DeepSpeed a rank with nothing to walk (every row masked) makes the walks the other ranks
   make, on a two-token trie with a zero loss (:meth:`StepFlow.needs_idle_walks`), so that their collectives
   match.

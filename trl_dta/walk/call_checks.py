@@ -19,9 +19,8 @@ from .heads import HiddenStates
 
 def check_walk_call(lm, trie, temperature, entropies: bool, head=None) -> None:
     """Any walk of ``lm`` (a :class:`~trl_dta.walk.adapter.model.CausalLM`): ``trie`` a
-    :class:`~trl_dta.PrefixTrie`,
-    ``temperature`` a finite number > 0; a value model, or a head of hidden states (``head``), walked at 1.0
-    without entropies."""
+    :class:`~trl_dta.PrefixTrie`, ``temperature`` a finite number > 0; a value model, or a head of hidden
+    states (``head``), walked at 1.0 without entropies."""
     if not isinstance(trie, PrefixTrie):
         raise ArgumentTypeError(
             f"expected a PrefixTrie (PrefixTrie.from_sequences(...)), got {type(trie).__name__}"

@@ -318,9 +318,8 @@ class CausalLM:
         layout: SegmentLayout | None = None,
     ) -> ForwardResult:
         """Decode ``input_ids`` ([B, L], positions ``start..start+L-1`` unless ``positions`` are given) on top
-        of the path's K/V at positions ``[0, start)`` of ``kv`` and the ``states`` its last segment left
-        (each with B rows: :func:`~trl_dta.walk.adapter.cache.expand_states`), causally, or with a 4-D
-        additive
+        of the path's K/V at positions ``[0, start)`` of ``kv`` and the ``states`` its last segment left (each
+        with B rows: :func:`~trl_dta.walk.adapter.cache.expand_states`), causally, or with a 4-D additive
         ``attention_mask`` [B, 1, L, start + L]. The new K/V are written into ``kv`` too (when B is 1).
         ``router_logits``: also return every router layer's logits (MoE models). ``layout``: the call's
         segments (one row), attended per segment where :attr:`segment_attention` (``attention_mask`` is then

@@ -146,30 +146,22 @@ def _check(device, dtype, heads: int, kv_heads: int, head_dim: int, scale: float
     except MEMORY_ERRORS:
         raise
     except Exception as e:  # noqa: BLE001 - a kernel that refuses these shapes or this device
-        logger.warning(
-            "torch's flash varlen kernel fails for %s %s heads %d/%d x %d (%r): the walk attends "
-            "per segment with sdpa instead.",
-            device,
-            dtype,
-            heads,
-            kv_heads,
-            head_dim,
-            e,
-        )
-        return False
-    if not err <= _CHECK_TOLERANCE[dtype]:
-        logger.warning(
-            "torch's flash varlen kernel differs from sdpa by %.2e for %s %s heads %d/%d x %d: the "
-            "walk attends per segment with sdpa instead.",
-            err,
-            device,
-            dtype,
-            heads,
-            kv_heads,
-            head_dim,
-        )
-        return False
-    return True
+        reason = f"fails ({e!r})"
+    else:
+        if err <= _CHECK_TOLERANCE[dtype]:
+            return True
+        reason = f"differs from sdpa by {err:.2e}"
+    logger.warning(
+        "torch's flash varlen kernel %s for %s %s heads %d/%d x %d: the walk attends per segment with sdpa "
+        "instead.",
+        reason,
+        device,
+        dtype,
+        heads,
+        kv_heads,
+        head_dim,
+    )
+    return False
 
 
 _ON = True  # calls on CUDA may use torch's flash kernel (use_flash)
