@@ -152,12 +152,7 @@ def main() -> None:
                   f"{a.per_token * 1e6:.1f} us, per pair {a.per_pair * 1e9:.2f} ns", flush=True)  # fmt: skip
         probe_trie, _ = step_trie(random.Random(1), config.vocab_size)  # the plan before and after the fit
         before = TreeExecutor(model, memory_budget=args.memory)
-        before.call_cost = replace(
-            prior,
-            block_sparse=costs.template.block_sparse,
-            per_segment=costs.template.per_segment,
-            overlap=costs.template.overlap,
-        )
+        before.call_cost = replace(prior, kernel=costs.template.kernel, overlap=costs.template.overlap)
         plan = {"calls_before": plan_calls(before, probe_trie), "calls_after": plan_calls(online, probe_trie)}
         fitted = costs.active
         relative = None

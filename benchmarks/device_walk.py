@@ -45,7 +45,9 @@ from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
 from trl_dta.compare import relative_error  # noqa: E402
-from trl_dta.walk.attention import flash  # noqa: E402
+from trl_dta.walk.attention.flex import FLEX_TILES  # noqa: E402
+from trl_dta.walk.attention.masked import ModelAttention  # noqa: E402
+from trl_dta.walk.attention.sdpa import SDPA_SEGMENTS  # noqa: E402
 from trl_dta.walk.cost.costs import CallCost  # noqa: E402
 from trl_dta.walk.memory import peak as walk_peak  # noqa: E402
 from trl_dta.walk.plan import Push  # noqa: E402
@@ -59,11 +61,8 @@ DIMS = {"qwen3-1.7b": QWEN3_1_7B, "tiny": TINY}
 CUDA_SIDES = "segments,segments_sdpa,mask"
 
 
-def walk_path(executor, path: str):
-    """Within: ``executor`` walks on ``path`` (module docstring)."""
-    if path == "mask":  # (the model's own attention with the row's mask, as if the probe had refused)
-        executor.lm.segment_attention = False
-    return flash.use_flash(path != "segments_sdpa")
+# the attention kernel each path gives the executor (None: the model's own choice)
+PATH_KERNELS = {"segments": None, "segments_sdpa": SDPA_SEGMENTS, "mask": ModelAttention("sdpa")}
 
 
 def sync(device):
@@ -144,7 +143,7 @@ def parity(device, tries: int = 12) -> float:
             tail = torch.randint(0, 97, (int(torch.randint(1, 200, (), generator=gen)),), generator=gen)
             seqs.append(base[:cut] + tail.tolist())
         executor = TreeExecutor(flex, block_size=int(torch.randint(8, 512, (), generator=gen)))
-        executor.call_cost = CallCost(fixed=1.0, per_token=0.0, per_pair=0.0, block_sparse=True)
+        executor.call_cost = CallCost(fixed=1.0, per_token=0.0, per_pair=0.0, kernel=FLEX_TILES)
         executor.backward(PrefixTrie.from_sequences(seqs), lambda i, lp, e: -(lp * (1 + i)).mean())
         for i, seq in enumerate(seqs):
             ids = torch.tensor([seq], device=device)
@@ -210,46 +209,41 @@ def main() -> None:
 
     for path, attn in sides:
         model = build(args, attn, device)
-        executor = TreeExecutor(model)  # memory_budget="auto"
-        with walk_path(executor, path):
-            walk_times = []
-            for _ in range(args.repeats + 1):  # the first: compilation (flex), allocator warm-up
-                model.zero_grad(set_to_none=True)
-                if device.type == "cuda":
-                    walk_peak.reset_peak_memory_stats()
-                before = (executor.calls.forward, executor.calls.backward)
-                sync(device)
-                start = time.perf_counter()
-                executor.backward(trie, loss_fn, score_from=froms, entropy_grad=False)
-                sync(device)
-                walk_times.append(time.perf_counter() - start)
-            plan = executor.plan(trie, entropy_grad=False)
-            peak = walk_peak.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-            grads[path] = {
-                n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None
-            }
-            recomputed = sum(s.segment.num_tokens for s in plan if isinstance(s, Push) and not s.keep_graph)
-            if path == "segments" or attn != "sdpa":
-                dense = [
-                    dense_time(model, seqs, froms, args.micro_batches, device) for _ in range(args.repeats)
-                ]
-            else:  # (the same model and rows as the default path's: its dense time)
-                dense = [report["kernels"].get("segments", {}).get("dense_s", float("nan"))]
-            row = {"budgets": executor.budgets.metrics(),
-                   "calls": {"forward": executor.calls.forward - before[0],
-                             "backward": executor.calls.backward - before[1]},
-                   "first_walk_s": walk_times[0], "walk_s": statistics.median(walk_times[1:]),
-                   "dense_s": statistics.median(dense),
-                   "recompute_share": recomputed / trie.num_unique_tokens, "peak_gib": peak}  # fmt: skip
-            row["speedup"] = row["dense_s"] / row["walk_s"]
-            report["kernels"][path] = row
-            print(f"[{path}] budgets {row['budgets']} calls {row['calls']} walk {row['walk_s']:.3f} s (first "
-                  f"{row['first_walk_s']:.1f} s) dense {row['dense_s']:.3f} s -> {row['speedup']:.2f}x "
-                  f"(dedup {trie.dedup_ratio:.2f}), recompute {row['recompute_share']:.0%}, "
-                  f"peak {row['peak_gib']} GiB", flush=True)  # fmt: skip
-            if device.type == "cuda" and path in ("segments", "flex_attention"):  # host syncs in a walk
-                row["syncs"] = count_syncs(executor, model, trie, froms)
-                print(f"[{path}] host syncs per walk (set_sync_debug_mode): {row['syncs']}", flush=True)
+        executor = TreeExecutor(model, attention_kernel=PATH_KERNELS.get(path))  # memory_budget="auto"
+        walk_times = []
+        for _ in range(args.repeats + 1):  # the first: compilation (flex), allocator warm-up
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                walk_peak.reset_peak_memory_stats()
+            before = (executor.calls.forward, executor.calls.backward)
+            sync(device)
+            start = time.perf_counter()
+            executor.backward(trie, loss_fn, score_from=froms, entropy_grad=False)
+            sync(device)
+            walk_times.append(time.perf_counter() - start)
+        plan = executor.plan(trie, entropy_grad=False)
+        peak = walk_peak.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+        grads[path] = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        recomputed = sum(s.segment.num_tokens for s in plan if isinstance(s, Push) and not s.keep_graph)
+        if path == "segments" or attn != "sdpa":
+            dense = [dense_time(model, seqs, froms, args.micro_batches, device) for _ in range(args.repeats)]
+        else:  # (the same model and rows as the default path's: its dense time)
+            dense = [report["kernels"].get("segments", {}).get("dense_s", float("nan"))]
+        row = {"budgets": executor.budgets.metrics(), "attention_calls": dict(executor.calls.attention),
+               "calls": {"forward": executor.calls.forward - before[0],
+                         "backward": executor.calls.backward - before[1]},
+               "first_walk_s": walk_times[0], "walk_s": statistics.median(walk_times[1:]),
+               "dense_s": statistics.median(dense),
+               "recompute_share": recomputed / trie.num_unique_tokens, "peak_gib": peak}  # fmt: skip
+        row["speedup"] = row["dense_s"] / row["walk_s"]
+        report["kernels"][path] = row
+        print(f"[{path}] budgets {row['budgets']} calls {row['calls']} walk {row['walk_s']:.3f} s (first "
+              f"{row['first_walk_s']:.1f} s) dense {row['dense_s']:.3f} s -> {row['speedup']:.2f}x "
+              f"(dedup {trie.dedup_ratio:.2f}), recompute {row['recompute_share']:.0%}, "
+              f"peak {row['peak_gib']} GiB", flush=True)  # fmt: skip
+        if device.type == "cuda" and path in ("segments", "flex_attention"):  # host syncs in a walk
+            row["syncs"] = count_syncs(executor, model, trie, froms)
+            print(f"[{path}] host syncs per walk (set_sync_debug_mode): {row['syncs']}", flush=True)
         if path != "segments" and "segments" in grads:
             err = max(relative_error(grads[path][n], g) for n, g in grads["segments"].items())
             report[f"{path}_vs_segments_grad_error"] = err

@@ -36,7 +36,7 @@ from peer_bench.context import Context  # noqa: E402
 from peer_bench.methods import RUNNERS  # noqa: E402
 from peer_bench.workloads import MODELS, make_model, shapes_for  # noqa: E402
 
-from trl_dta.walk.attention import flash  # noqa: E402
+from trl_dta.walk.attention import check  # noqa: E402
 
 OOM_EXIT = 3
 
@@ -112,11 +112,12 @@ def run(args, row: dict) -> None:
             "budgets": ex.budgets.metrics(),
             "oom_halvings": sum(c.event == "halved" for c in ex.budgets.history),
             "peak_memory_gib": None if ex.peak_memory is None else ex.peak_memory / 2**30,
-            # how its calls attended (trl_dta/walk/attention/segment_attention.py), and the flash kernel's
-            # check per (device, dtype, heads, kv heads, head dim): False means it fell back to sdpa per
-            # segment
-            "attention": "segments" if ex.lm.segment_attention else "mask",
-            "flash_checks": {str(k): v for k, v in flash._VERDICTS.items()},
+            # the model calls each attention kernel attended (trl_dta/walk/attention/kernel.py), and each
+            # kernel's check per (kernel, device, dtype, heads, kv heads, head dim): False means it fell
+            # back to sdpa per segment
+            "attention_calls": dict(ex.calls.attention),
+            "attention": ex.lm.kernel.name,
+            "flash_checks": {str(k): v for k, v in check.VERDICTS.items()},
         }  # fmt: skip
 
 

@@ -57,14 +57,16 @@ def operators(layers: int) -> dict:
     def loss(i, logps, entropies):
         return -logps.sum()
 
-    with flash_on_cpu(counted_varlen_attn):
-        calls = 1 << 16  # (a GPU's cap on a call: DEVICE_COSTS["cuda"])
-        executor = TreeExecutor(model, memory_budget=60e9, batch_tokens=calls, subtree_tokens=calls)
-        executor.call_cost = CallCost.for_model(model.config, "cuda", per_segment=True)
-        executor.backward(trie, loss, score_from=froms)  # (warm: first-call checks)
-        before = executor.calls.forward
-        with OpCounter() as walk:
-            executor.backward(trie, loss, score_from=froms)
+    calls = 1 << 16  # (a GPU's cap on a call: DEVICE_COSTS["cuda"])
+    kernel = flash_on_cpu(counted_varlen_attn)
+    executor = TreeExecutor(
+        model, memory_budget=60e9, batch_tokens=calls, subtree_tokens=calls, attention_kernel=kernel
+    )
+    executor.call_cost = CallCost.for_model(model.config, "cuda", kernel)
+    executor.backward(trie, loss, score_from=froms)  # (warm: first-call checks)
+    before = executor.calls.forward
+    with OpCounter() as walk:
+        executor.backward(trie, loss, score_from=froms)
     ids = torch.tensor(seqs)
     with OpCounter() as dense:
         logits = model(input_ids=ids, logits_to_keep=ids.shape[1] - prompt + 1).logits[:, :-1]

@@ -57,6 +57,9 @@ from peer_bench.workloads import shapes_for  # noqa: E402
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
 from trl_dta.testing.launches import OpCounter  # noqa: E402
 from trl_dta.testing.varlen import counted_varlen_attn, flash_on_cpu  # noqa: E402
+from trl_dta.walk.attention.flex import FLEX_TILES  # noqa: E402
+from trl_dta.walk.attention.masked import ModelAttention  # noqa: E402
+from trl_dta.walk.attention.torch_varlen import TORCH_VARLEN  # noqa: E402
 from trl_dta.walk.cost.costs import CallCost, needed_pairs  # noqa: E402
 from trl_dta.walk.cost.flops import flops as count_flops  # noqa: E402
 from trl_dta.walk.cost.flops import per_token_costs  # noqa: E402
@@ -82,15 +85,14 @@ def walk_ops(layers: int, seqs, froms, budgets, call_cost, kernel: str) -> tuple
     """Kernels of one walk with ``budgets`` and ``call_cost`` (the plan of the full-size model), its calls
     and its plan, on the attention path ``kernel`` (module docstring)."""
     model = small(layers)  # (flex has no CPU backward: its walk is counted as the mask's, one kernel a layer)
-    with flash_on_cpu(counted_varlen_attn):
-        executor = TreeExecutor(model, **vars(budgets))
-        executor.lm.segment_attention = kernel == "segments"
-        executor.call_cost = call_cost
-        trie = PrefixTrie.from_sequences(seqs)
-        executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)  # warm: checks
-        before = (executor.calls.forward, executor.calls.backward, executor.calls.tokens)
-        with OpCounter() as counter:
-            executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)
+    attends = flash_on_cpu(counted_varlen_attn) if kernel == "segments" else ModelAttention("sdpa")
+    executor = TreeExecutor(model, attention_kernel=attends, **vars(budgets))
+    executor.call_cost = call_cost
+    trie = PrefixTrie.from_sequences(seqs)
+    executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)  # warm: checks
+    before = (executor.calls.forward, executor.calls.backward, executor.calls.tokens)
+    with OpCounter() as counter:
+        executor.backward(trie, lambda i, lp, e: -lp.sum(), score_from=froms)
     calls = {"forward": executor.calls.forward - before[0], "backward": executor.calls.backward - before[1],
              "tokens": executor.calls.tokens - before[2]}  # fmt: skip
     return counter.ops, calls, executor.plan(trie)
@@ -187,8 +189,8 @@ def run_shape(args, name: str, scale: float) -> dict:
             )
         )
         for kernel in args.kernels:
-            sparse, segments = kernel == "flex", kernel == "segments"
-            cost = CallCost.for_model(big.config, "cuda", block_sparse=sparse, per_segment=segments)
+            priced = {"flex": FLEX_TILES, "segments": TORCH_VARLEN, "mask": None}[kernel]  # (None: rectangle)
+            cost = CallCost.for_model(big.config, "cuda", priced)
             planning = None if memory is None else cost  # (the fixed budgets: no cost model)
             (w1, calls, plan), (w2, _, _) = (
                 walk_ops(k, seqs, froms, budgets, planning, kernel) for k in (1, 2)

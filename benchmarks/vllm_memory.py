@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from peer_bench.workloads import shapes_for  # noqa: E402
 
 from trl_dta import PrefixTrie, TreeExecutor  # noqa: E402
+from trl_dta.walk.attention.sdpa import SDPA_SEGMENTS  # noqa: E402
 from trl_dta.walk.heads import HEAD_ROWS  # noqa: E402
 from trl_dta.walk.memory import peak as peak_stats  # noqa: E402
 from trl_dta.walk.memory.budgets import activation_bytes  # noqa: E402
@@ -75,13 +76,14 @@ def step(scale: float, vocab: int):
 
 
 def walk_peak(
-    config, block: int, calls: int, trie=None, froms=None, attention: str = "segments", gradients_held=False
+    config, block: int, calls: int, trie=None, froms=None, attention=SDPA_SEGMENTS, gradients_held=False
 ) -> float:
     """The walk's activation peak at these budgets (bytes), under bf16 autocast over float32 weights (the GPU
     config): values-only entropies (TRL's default: no entropy bonus). Without ``trie``, the memory model
     ``token_budgets`` plans with (every token counted as scored, the path as long as the block); with it, that
     model applied to the walk's plan step by step (``trl_dta.walk.memory.memory_model.plan_peak``: the plan of
-    the fixed budgets, its calls' ``attention``). Both add autocast's bf16 copies of the weights and, with
+    the fixed budgets, its calls attended by the kernel ``attention``). Both add autocast's bf16 copies of
+    the weights and, with
     ``gradients_held`` (gradients allocated before the walk, as ``measured`` does; TRL's first micro-batch of
     a step has none), the fresh float32 gradients the walk accumulates into before adding them."""
     per = activation_bytes(config, torch.bfloat16, entropy_grad=False, autocast=True)

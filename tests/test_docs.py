@@ -46,7 +46,8 @@ def _first_column_names(text: str, pattern: str) -> set[str]:
 def _logged_metrics() -> set[str]:
     """The metric names the library logs, read from its source: string literals under
     :data:`METRIC_PREFIXES`, and the step seam's names ``f"{p}suffix"`` under each of :data:`STEP_PREFIXES`;
-    the one computed suffix, ``f"{p}{name}"``, is a budget of ``Budgets.metrics()``."""
+    the computed suffixes: ``f"{p}{name}"``, a budget of ``Budgets.metrics()``, and ``f"{p}attention_calls/
+    {kernel}"``, an attention kernel's name (one name, ``<kernel>``)."""
     from trl_dta.walk.memory.budgets import Budgets, TokenBudgets
 
     budgets = Budgets()
@@ -67,9 +68,13 @@ def _logged_metrics() -> set[str]:
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in parts:
                 if re.fullmatch(r"(tree|perf|value|decoupled|staleness)/[a-z0-9_/]+", node.value):
                     names.add(node.value)
-    # a new computed name fails here: say in this test where its names come from
-    assert computed == ["trl_dta/train/step_walk.py: f'{p}{name}'"], computed
-    suffixes |= set(budgets.metrics())
+    # a new computed name fails here: say in this test where its names come from: a budget of
+    # Budgets.metrics(), and an attention kernel's name (documented as one row, <kernel>)
+    assert computed == [
+        "trl_dta/train/step_walk.py: f'{p}attention_calls/{kernel}'",
+        "trl_dta/train/step_walk.py: f'{p}{name}'",
+    ], computed
+    suffixes |= set(budgets.metrics()) | {"attention_calls/<kernel>"}
     return names | {prefix + suffix for prefix in STEP_PREFIXES for suffix in suffixes}
 
 
@@ -85,7 +90,7 @@ def test_every_logged_metric_is_documented_and_every_documented_one_is_logged():
     assert {"tree/time_s", "tree/peak_memory_gib", "tree/check_error", "tree/block_size"} <= logged
     assert "perf/generation_s" in logged
     metrics = _section(OPTIONS.read_text(), "## Metrics")
-    documented = _first_column_names(metrics, r"(?:tree|perf|value|decoupled|staleness)/[a-z0-9_/]+")
+    documented = _first_column_names(metrics, r"(?:tree|perf|value|decoupled|staleness)/[a-z0-9_/<>]+")
     assert "| `value_tree/*` |" in metrics  # one row for the value model's walk: the step seam's tree/* names
     documented |= {"value_" + name for name in documented if "value_" + name in logged}
     assert not logged - documented, f"logged, not in docs/options.md's Metrics table: {logged - documented}"

@@ -14,8 +14,11 @@ import torch
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.testing import flash_parity
 from trl_dta.testing.varlen import flash_on_cpu, reference_varlen_attn
-from trl_dta.walk.attention import flash
+from trl_dta.walk.attention import check
+from trl_dta.walk.attention.sdpa import SDPA_SEGMENTS
 from trl_dta.walk.attention.segment_layout import SegmentLayout
+from trl_dta.walk.attention.torch_varlen import TorchVarlen
+from trl_dta.walk.attention.varlen import _check_covered
 
 SCALE = 0.0625  # (the scenarios' lengths: 32-100 tokens a sequence on the tiny model)
 
@@ -47,35 +50,30 @@ def _top_left(
     return torch.cat(outs)
 
 
+class _NoRecompute(TorchVarlen):
+    """The flash kernel with a packed call's gathered keys and values detached: nothing recomputes them in
+    the backward, so no gradient reaches them."""
+
+    def attend(self, q, k, v, layout, scale, dtype):
+        if layout.key_index is None:
+            return super().attend(q, k, v, layout, scale, dtype)
+        keys = (t.detach().to(dtype) for t in layout.gather(k, v))
+        return self.run(q.to(dtype), *keys, layout, scale)
+
+
 @contextlib.contextmanager
 def mutation(name: str):
-    """Within: the flash path broken on purpose: ``"top-left"`` (use the returned kernel)
-    or ``"no-recompute"`` (the gathered keys and values of a packed call detached: nothing recomputes them
-    in the backward, so no gradient reaches them). Yields the kernel to pass to ``flash_parity.run`` (or
-    None)."""
-    if name == "top-left":
-        yield _top_left
-    elif name == "no-recompute":
-        saved = flash.attend
-
-        def attend(q, k, v, layout, scale, dtype):
-            if layout.key_index is None:
-                return saved(q, k, v, layout, scale, dtype)
-            keys = (t.detach().to(dtype) for t in layout.gather(k, v))
-            return flash._flash(q.to(dtype), *keys, layout, scale, flash.varlen_attn)
-
-        flash.attend = attend
-        try:
-            yield None
-        finally:
-            flash.attend = saved
-    else:
+    """Within: the flash path broken on purpose: ``"top-left"`` (its function aligns causal masking
+    top-left) or ``"no-recompute"`` (:class:`_NoRecompute`). Yields what to pass to ``flash_parity.run``:
+    the function (or None) and the kernel's class."""
+    if name not in ("top-left", "no-recompute"):
         raise ValueError(name)
+    yield (_top_left, TorchVarlen) if name == "top-left" else (None, _NoRecompute)
 
 
-def run(kernel=None) -> dict:
+def run(kernel=None, kind=TorchVarlen) -> dict:
     torch.manual_seed(0)
-    return flash_parity.run(flash_parity.TINY, "cpu", SCALE, long_tokens=64, kernel=kernel)
+    return flash_parity.run(flash_parity.TINY, "cpu", SCALE, long_tokens=64, kernel=kernel, kind=kind)
 
 
 def test_the_bf16_parity_item_passes_with_the_stand_in_kernel():
@@ -92,8 +90,8 @@ def test_the_bf16_parity_item_passes_with_the_stand_in_kernel():
 
 @pytest.mark.parametrize("name", ["top-left", "no-recompute"])
 def test_the_bf16_parity_item_fails_with_a_broken_flash_path(name):
-    with mutation(name) as kernel:
-        report = run(kernel)
+    with mutation(name) as (kernel, kind):
+        report = run(kernel, kind)
     assert not report["ok"]
     for scenario in report["scenarios"]:  # (every scenario has segments on a past and packed calls)
         assert scenario["errors"]["flash"] > 3 * scenario["bound"], scenario
@@ -115,16 +113,14 @@ def test_a_call_with_a_tensor_longer_than_its_runs_is_refused_before_the_kernel(
     )
     tensors = {"q": q, "k": k, "v": v}
     tensors[longer] = torch.cat([tensors[longer], tensors[longer][:1]])
-    called = []
     with pytest.raises(RuntimeError, match="NaN"):
-        flash._flash(*tensors.values(), layout, 0.25, kernel=lambda *a, **kw: called.append(1))
-    assert not called
+        _check_covered(*tensors.values(), layout)
+    called = []
+    kernel = flash_on_cpu(lambda *a, scale=None, window_size=None: called.append(1))
     lone = SegmentLayout.build([6], (-1,), 4, "cpu")  # a lone segment: the path's keys, read in place
     buffer = torch.randn(16, 2, 16)  # (a path buffer with room to grow: only its view is passed)
     with pytest.raises(RuntimeError, match="NaN"):
-        flash._flash(
-            torch.randn(6, 4, 16), buffer, buffer, lone, 0.25, kernel=lambda *a, **kw: called.append(1)
-        )
+        kernel.attend(torch.randn(6, 4, 16), buffer, buffer, lone, 0.25, torch.float32)
     assert not called
 
 
@@ -143,32 +139,26 @@ def test_every_call_of_a_walk_covers_its_tensors_exactly():
 
     prompt = list(range(3, 40))  # (the tiny model's 61 ids)
     seqs = [prompt + [40 + i] * (1 + i) for i in range(5)] + [prompt[:10] + list(range(30, 60))]
-    with flash_on_cpu(kernel):
-        TreeExecutor(model, block_size=8, batch_tokens=16).backward(
-            PrefixTrie.from_sequences(seqs), lambda i, lp, _: -lp.sum()
-        )
+    executor = TreeExecutor(model, block_size=8, batch_tokens=16, attention_kernel=flash_on_cpu(kernel))
+    seen.clear()  # (the construction probe's calls)
+    executor.backward(PrefixTrie.from_sequences(seqs), lambda i, lp, _: -lp.sum())
     assert len(seen) > 10 and any(k > q for q, k, *_ in seen)  # (calls on a past among them)
     assert all(q == cq and k == v == ck for q, k, v, cq, ck in seen)
 
 
 def test_the_kernels_one_time_check_covers_a_lone_segment_read_in_place(caplog):
-    """flash._check (run once per device, dtype and head shape before the walk uses the kernel) on the
-    stand-in: passes for the right kernel; a kernel aligned top-left fails it, with a warning, on both of its
-    calls (two segments gathered, and a lone segment on a past read in place from the strided path buffer)."""
-    from trl_dta.walk.attention.segment_layout import SegmentLayout
-
-    saved = flash.varlen_attn
-    try:
-        flash.varlen_attn = reference_varlen_attn
-        assert flash._check(torch.device("cpu"), torch.bfloat16, 4, 2, 16, 0.25)
-        with mutation("top-left") as top_left:
-            flash.varlen_attn = top_left
-            assert not flash._check(torch.device("cpu"), torch.bfloat16, 4, 2, 16, 0.25)
-            gen = torch.Generator().manual_seed(0)
-            lone = SegmentLayout.build([8], (-1,), 4, "cpu")
-            assert (
-                flash._check_call(lone, (4, 2, 16), torch.bfloat16, 0.25, gen) > 0.1
-            )  # (the lone call alone)
-    finally:
-        flash.varlen_attn = saved
+    """The kernel's one-time check (trl_dta/walk/attention/check.py: once per kernel, device, dtype and head
+    shape, before the walk uses it) on the stand-in, checked as on CUDA: passes for the right kernel; a kernel
+    aligned top-left fails it, with a warning, on both of its calls (two segments gathered, and a lone segment
+    on a past read in place from the strided path buffer)."""
+    cpu, shape = torch.device("cpu"), (4, 2, 16)
+    assert (
+        TorchVarlen(reference_varlen_attn, devices=("cpu",)).resolve(cpu, torch.bfloat16, shape)
+        != SDPA_SEGMENTS
+    )
+    top_left = TorchVarlen(_top_left, devices=("cpu",))
+    assert top_left.resolve(cpu, torch.bfloat16, shape) is SDPA_SEGMENTS
+    lone = SegmentLayout.build([8], (-1,), 4, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    assert check.error(top_left, lone, shape, torch.bfloat16, gen) > 0.1  # (the lone call alone)
     assert "differs from sdpa" in caplog.text

@@ -43,15 +43,16 @@ def test_a_grpo_group_walk_launches_at_most_1_5x_dense():
     def loss(i, logps, entropies):
         return -logps.sum()
 
-    with flash_on_cpu(counted_varlen_attn):
-        calls = 1 << 16  # (a GPU's cap on calls: DEVICE_COSTS["cuda"]; this CPU's is smaller)
-        executor = TreeExecutor(model, memory_budget=60e9, batch_tokens=calls, subtree_tokens=calls)
-        executor.call_cost = CallCost.for_model(config, "cuda", per_segment=True)
-        executor.backward(trie, loss, score_from=froms)  # (warm: first-call checks)
-        calls = executor.calls.forward
-        with OpCounter() as walk:
-            executor.backward(trie, loss, score_from=froms)
-        calls = executor.calls.forward - calls
+    calls, kernel = 1 << 16, flash_on_cpu(counted_varlen_attn)  # (a GPU's cap on calls: DEVICE_COSTS["cuda"])
+    executor = TreeExecutor(
+        model, memory_budget=60e9, batch_tokens=calls, subtree_tokens=calls, attention_kernel=kernel
+    )
+    executor.call_cost = CallCost.for_model(config, "cuda", kernel)
+    executor.backward(trie, loss, score_from=froms)  # (warm: first-call checks)
+    calls = executor.calls.forward
+    with OpCounter() as walk:
+        executor.backward(trie, loss, score_from=froms)
+    calls = executor.calls.forward - calls
     ids = torch.tensor(seqs)
     with OpCounter() as dense:  # one padded batch, the LM head on completion positions (TRL's)
         logits = model(input_ids=ids, logits_to_keep=ids.shape[1] - prompt + 1).logits[:, :-1]

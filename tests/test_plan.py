@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trl_dta.trie import PrefixTrie
+from trl_dta.walk.attention.flex import FLEX_TILES
 from trl_dta.walk.cost.costs import CallCost
 from trl_dta.walk.plan import (
     LAUNCH_PRICES,
@@ -143,9 +144,10 @@ def test_overlapping_costs_never_pick_a_slower_plan(seqs, fixed, sparse, budget)
     before) nor, beyond MIN_GAIN, than either extreme price's (its search is a bisection between them), and
     covers every node once."""
     trie = PrefixTrie.from_sequences(seqs)
-    costs = CallCost(fixed=fixed, per_token=0.01, per_pair=0.003, block_sparse=sparse, overlap=True)
+    kernel = FLEX_TILES if sparse else None
+    costs = CallCost(fixed=fixed, per_token=0.01, per_pair=0.003, kernel=kernel, overlap=True)
     plan = build_plan(trie, 8, budget, packed=True, subtree_tokens=budget, costs=costs)
-    summed = CallCost(fixed, 0.01, 0.003, sparse)  # (merge decisions at each price: no search)
+    summed = CallCost(fixed, 0.01, 0.003, kernel)  # (merge decisions at each price: no search)
     each = {p: build_plan(trie, 8, budget, True, budget, summed.priced(p)) for p in LAUNCH_PRICES}
     seconds = plan_seconds(plan, costs, True)
     assert seconds <= plan_seconds(each[1.0], costs, True) * (1 + 1e-12)

@@ -1,10 +1,11 @@
 """Attention per segment (trl_dta/walk/attention/segment_attention.py, segment_layout.py): each segment
 against only the keys it sees.
 
-Every kernel of it against the row's masked sdpa call (fp64, random rows, GQA or not): the sdpa path per
-segment and per row, and the flash path with a stand-in of torch's varlen kernel (trl_dta/testing/varlen.py:
-the CUDA path's layout, run on a CPU; torch 2.11's and 2.12's signatures). Then whole walks against dense
-per-sequence gradients, on the flash path, and the probe's fallback for a model with its own attention code.
+Every kernel of it against the row's masked sdpa call (fp64, random rows, GQA or not): the sdpa kernel per
+segment and per row, and the flash kernels with a stand-in of their functions (trl_dta/testing/varlen.py:
+the CUDA path's layout, run on a CPU; torch 2.11's and 2.12's signatures, flash-attn's). Then whole walks
+against dense per-sequence gradients on the flash kernels, and the probe's fallback for a model with its own
+attention code.
 """
 
 from __future__ import annotations
@@ -23,17 +24,28 @@ from torch.nn import functional as F
 from trl_dta import PrefixTrie, TreeExecutor
 from trl_dta.testing.varlen import (
     counted_varlen_attn,
+    flash_attn_on_cpu,
     flash_on_cpu,
     reference_varlen_attn,
     reference_varlen_attn_gqa,
 )
-from trl_dta.walk.attention import flash as flash_kernel
+from trl_dta.walk.attention import check
 from trl_dta.walk.attention import segment_attention as sa
 from trl_dta.walk.attention.packing import PackedRow, packed_mask
+from trl_dta.walk.attention.sdpa import SDPA_SEGMENTS
+from trl_dta.walk.attention.segment_layout import SegmentLayout, key_ranges
+from trl_dta.walk.attention.torch_varlen import TORCH_VARLEN, TorchVarlen
 from trl_dta.walk.cost.costs import CallCost
 
 pytestmark = pytest.mark.usefixtures("fp64_exact")
-KERNELS = ["sdpa per segment", "sdpa row", "flash 2.11", "flash 2.12"]
+KERNELS = {
+    "sdpa per segment": SDPA_SEGMENTS,
+    "sdpa row": SDPA_SEGMENTS,
+    "flash 2.11": flash_on_cpu(reference_varlen_attn),
+    "flash 2.12": flash_on_cpu(reference_varlen_attn_gqa),
+    "flash-attn": flash_attn_on_cpu(),
+}
+FLASH = ["flash 2.11", "flash 2.12", "flash-attn"]
 
 
 @st.composite
@@ -56,15 +68,11 @@ def row_of(lengths, parents, start):
 
 
 def attend(kernel, layout, q, k, v):
-    """The registered attention function on ``layout`` with ``kernel``."""
-    layout.split = kernel != "sdpa row"
-    flash = {"flash 2.11": reference_varlen_attn, "flash 2.12": reference_varlen_attn_gqa}.get(kernel)
-    with (
-        flash_on_cpu(flash) if flash else flash_kernel.use_flash(False),
-        sa.attending(make_model().config, layout),
-    ):
+    """The registered attention function on ``layout`` with the kernel named ``kernel``."""
+    layout.split, layout.kernel = kernel != "sdpa row", KERNELS[kernel]
+    with sa.attending(make_model().config, layout):
         out, weights = sa.attention(None, q, k, v, None, scaling=0.3)
-    assert weights is None and layout.calls == 1
+    assert weights is None and layout.calls == 1 and layout.ran == KERNELS[kernel].name
     return out  # [1, T, H, D]
 
 
@@ -81,7 +89,7 @@ def test_each_kernel_equals_the_rows_masked_call(kernel, row, gqa):
     mask = packed_mask(row_of(lengths, parents, start), start, torch.float64)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=gqa)
     ref = torch.autograd.grad(want.square().sum(), (q, k, v))
-    layout = sa.SegmentLayout.build(lengths, parents, start, "cpu", row=row_of(lengths, parents, start))
+    layout = SegmentLayout.build(lengths, parents, start, "cpu", row=row_of(lengths, parents, start))
     got = attend(kernel, layout, q, k, v)
     torch.testing.assert_close(got, want.transpose(1, 2), rtol=0, atol=1e-12)
     for a, b in zip(torch.autograd.grad(got.square().sum(), (q, k, v)), ref, strict=True):
@@ -90,22 +98,22 @@ def test_each_kernel_equals_the_rows_masked_call(kernel, row, gqa):
 
 def test_keys_are_the_past_the_ancestors_and_the_segment():
     # segments 0 (on the past), 1 (child of 0), 2 (on the past): a past of 3 tokens
-    assert sa.key_ranges([2, 3, 1], (-1, 0, -1), 3) == [[(0, 5)], [(0, 8)], [(0, 3), (8, 9)]]
-    q_cu, k_cu, index, k_lens, _ = sa.SegmentLayout.host([2, 3, 1], (-1, 0, -1), 3)
+    assert key_ranges([2, 3, 1], (-1, 0, -1), 3) == [[(0, 5)], [(0, 8)], [(0, 3), (8, 9)]]
+    q_cu, k_cu, index, k_lens, _ = SegmentLayout.host([2, 3, 1], (-1, 0, -1), 3)
     assert q_cu.tolist() == [0, 2, 5, 6] and k_lens == [5, 8, 4] and k_cu.tolist() == [0, 5, 13, 17]
     assert index.tolist() == [0, 1, 2, 3, 4] + list(range(8)) + [0, 1, 2, 8]
-    q_cu, k_cu, index, _, split = sa.SegmentLayout.host([4], (-1,), 6)  # a push reads the buffer in place
+    q_cu, k_cu, index, _, split = SegmentLayout.host([4], (-1,), 6)  # a push reads the buffer in place
     assert index is None and k_cu.tolist() == [0, 10] and split
 
 
 def test_a_row_is_split_where_that_computes_at_most_half_its_rectangle():
-    assert sa.SegmentLayout.host([1, 1, 1], (-1, -1, -1), 100)[4] is False  # each sees the past: whole row
-    assert sa.SegmentLayout.host([50, 50], (-1, -1), 0)[4] is True
+    assert SegmentLayout.host([1, 1, 1], (-1, -1, -1), 100)[4] is False  # each sees the past: whole row
+    assert SegmentLayout.host([50, 50], (-1, -1), 0)[4] is True
 
 
 def test_the_counted_kernel_is_the_reference_kernel_forward_and_backward():
     gen = torch.Generator().manual_seed(0)
-    layout = sa.SegmentLayout.build([3, 5, 2], (-1, 0, -1), 4, "cpu")
+    layout = SegmentLayout.build([3, 5, 2], (-1, 0, -1), 4, "cpu")
     q = torch.randn(10, 4, 8, dtype=torch.float64, generator=gen)
     k, v = (torch.randn(14, 2, 8, dtype=torch.float64, generator=gen) for _ in range(2))
     k, v = (t.index_select(0, layout.key_index) for t in (k, v))
@@ -120,7 +128,7 @@ def test_the_counted_kernel_is_the_reference_kernel_forward_and_backward():
 
 
 # ---------------------------------------------------------------------- walks
-@pytest.mark.parametrize("kernel", [reference_varlen_attn, reference_varlen_attn_gqa])
+@pytest.mark.parametrize("kernel", FLASH)
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seqs=shared_prefix_sequences(),
@@ -134,13 +142,15 @@ def test_the_flash_path_walks_exactly(kernel, seqs, block_size, batch_tokens, me
     model = make_model("qwen3", "sdpa")
     loss_fn = loss_fn_for(seqs, use_entropy=True)
     ref, _ = dense_grads(model, seqs, loss_fn)
-    with flash_on_cpu(kernel):
-        executor = TreeExecutor(model, block_size=block_size, batch_tokens=batch_tokens)
-        if merge_all:  # only calls cost: leaves and subtrees merged as the budgets allow
-            executor.call_cost = CallCost(fixed=1.0, per_token=0.0, per_pair=0.0)
-        model.zero_grad(set_to_none=True)
-        executor.backward(PrefixTrie.from_sequences(seqs), loss_fn, entropies=True)
-    assert executor.lm.segment_attention
+    executor = TreeExecutor(
+        model, block_size=block_size, batch_tokens=batch_tokens, attention_kernel=KERNELS[kernel]
+    )
+    if merge_all:  # only calls cost: leaves and subtrees merged as the budgets allow
+        executor.call_cost = CallCost(fixed=1.0, per_token=0.0, per_pair=0.0)
+    model.zero_grad(set_to_none=True)
+    executor.backward(PrefixTrie.from_sequences(seqs), loss_fn, entropies=True)
+    assert executor.lm.segment_attention and executor.lm.kernel is KERNELS[kernel]
+    assert set(executor.calls.attention) == {KERNELS[kernel].name}  # (every call, by this kernel)
     assert max_rel_diff(grads_of(model), ref) < 1e-10
 
 
@@ -201,20 +211,18 @@ def test_a_flash_kernel_that_differs_is_not_used(caplog):
             query, key[:n], value[:n], cu_seq_q, cu_seq_q, max_q, max_q, scale=scale, window_size=window_size
         )
 
-    saved = flash_kernel.varlen_attn
-    flash_kernel.varlen_attn = reference_varlen_attn
-    try:
-        assert flash_kernel._check(torch.device("cpu"), torch.bfloat16, 4, 2, 8, 0.3)
-        flash_kernel.varlen_attn = top_left_causal
-        with caplog.at_level(logging.WARNING):
-            assert not flash_kernel._check(torch.device("cpu"), torch.bfloat16, 4, 2, 8, 0.3)
-        assert "sdpa instead" in caplog.text
-    finally:
-        flash_kernel.varlen_attn = saved
+    cpu = torch.device("cpu")
+    assert check.passes(TorchVarlen(reference_varlen_attn), cpu, torch.bfloat16, (4, 2, 8))
+    broken = TorchVarlen(top_left_causal, devices=("cpu",))  # (checked as on CUDA)
+    with caplog.at_level(logging.WARNING):
+        assert broken.resolve(cpu, torch.bfloat16, (4, 2, 8)) is SDPA_SEGMENTS
+    assert "sdpa instead" in caplog.text
+    assert broken.resolve(cpu, torch.float32, (4, 2, 8)) is SDPA_SEGMENTS  # (fp32: sdpa, not a flash kernel)
+    assert TORCH_VARLEN.resolve(cpu, torch.bfloat16, (4, 2, 8)) is SDPA_SEGMENTS  # (torch's: CUDA only)
 
 
 def test_the_attention_function_refuses_what_it_does_not_apply():
-    layout = sa.SegmentLayout.build([3], (-1,), 0, "cpu")
+    layout = SegmentLayout.build([3], (-1,), 0, "cpu")
     q = k = v = torch.randn(1, 2, 3, 4)
     with sa.attending(make_model().config, layout):
         with pytest.raises(sa.UnsupportedModelError, match="sliding_window"):
@@ -227,11 +235,11 @@ def test_the_attention_function_refuses_what_it_does_not_apply():
 
 def test_a_packed_row_is_priced_at_the_pairs_its_segments_see():
     config = make_model().config
-    cpu = CallCost.for_model(config, "cpu", per_segment=True)
+    cpu = CallCost.for_model(config, "cpu", SDPA_SEGMENTS)
     assert cpu.row_pairs(3, 10, 65) == 65  # half of 10 x 13: split
     assert cpu.row_pairs(3, 10, 66) == 130  # (the rectangle: not split on a CPU)
-    assert CallCost.for_model(config, "cuda", per_segment=True).row_pairs(3, 10, 66) == 66  # (varlen)
-    assert CallCost.for_model(config, "cpu").row_pairs(3, 10, 40) == 10 * 13  # (a mask: the rectangle)
+    assert CallCost.for_model(config, "cuda", TORCH_VARLEN).row_pairs(3, 10, 66) == 66  # (varlen)
+    assert CallCost.for_model(config, "cpu").row_pairs(3, 10, 40) == 10 * 13  # (no kernel: the rectangle)
 
 
 def test_under_autocast_over_float32_weights_the_flash_path_attends_in_autocasts_dtype():
@@ -250,12 +258,13 @@ def test_under_autocast_over_float32_weights_the_flash_path_attends_in_autocasts
     trie = PrefixTrie.from_sequences(seqs)
     grads, flash_calls = [], []
     for flash in (True, False):
-        with flash_on_cpu(kernel) if flash else flash_kernel.use_flash(False):
-            executor = TreeExecutor(model, block_size=1000)
-            seen.clear()  # (the probe runs in float32, autocast off)
-            model.zero_grad(set_to_none=True)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                executor.backward(trie, lambda i, lp, e: lp.float().sum())
+        executor = TreeExecutor(
+            model, block_size=1000, attention_kernel=flash_on_cpu(kernel) if flash else None
+        )
+        seen.clear()  # (the probe runs in float32, autocast off)
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            executor.backward(trie, lambda i, lp, e: lp.float().sum())
         grads.append(grads_of(model))
         flash_calls = flash_calls if not flash else list(seen)
     assert not seen  # (the sdpa path ran last)

@@ -66,6 +66,8 @@ def test_gradients_equal_stock_trl_for_each_loss_type(tmp_path, model_dir, loss_
         1.0 < tree_logs[0]["tree/flop_ratio"] and tree_logs[0]["tree/calls"] >= 2
     )  # a forward and a backward
     assert tree_logs[0]["tree/tokens_per_call"] > 1.0
+    kernels = {k: v for k, v in tree_logs[0].items() if k.startswith("tree/attention_calls/")}
+    assert list(kernels) == ["tree/attention_calls/sdpa_segments"] and kernels[next(iter(kernels))] >= 2
 
 
 @pytest.mark.parametrize(

@@ -44,6 +44,7 @@ import torch
 from transformers import Qwen3Config
 
 from trl_dta import PrefixTrie
+from trl_dta.walk.attention.torch_varlen import TORCH_VARLEN
 from trl_dta.walk.cost.costs import CallCost
 from trl_dta.walk.memory.memory_budget import AUTO_FRACTION
 from trl_dta.walk.memory.memory_model import activation_bytes, plan_peak, token_budgets
@@ -164,10 +165,10 @@ def _walk(wl: Workload, trie: PrefixTrie, p: dict, b: int, params: int, fixed: i
     memory = AUTO_FRACTION * (card - b * params) - 3 * b * params  # "auto": free less grads and AdamW
     budgets = token_budgets(config, dtype, memory, "cuda", path, entropy_grad=False)
     per = activation_bytes(config, dtype, entropy_grad=False)
-    costs = CallCost.for_model(config, "cuda", per_segment=True)
+    costs = CallCost.for_model(config, "cuda", TORCH_VARLEN)
     plan = build_plan(trie, budgets.block_size, budgets.batch_tokens, True, budgets.subtree_tokens, costs)
     froms = [plen - 1 for _, plen in wl.rows]  # (the flash kernel's gathered keys: recomputed, not kept)
-    peak = plan_peak(plan, config, per, scored_from(trie, froms)[1], "flash")
+    peak = plan_peak(plan, config, per, scored_from(trie, froms)[1], TORCH_VARLEN)
     calls = sum(1 for step in plan if hasattr(step, "segments") or getattr(step, "keep_graph", False))
     return Estimate("tree", fixed, int(peak.graphs + peak.path_kv), int(peak.head), 0, calls)
 

@@ -7,9 +7,8 @@ max|b| per gradient tensor, the largest: :func:`~trl_dta.compare.relative_error`
 
 * ``flash``: the walk attending per segment with the flash kernel (torch's ``varlen_attn`` on CUDA; the
   stand-in on a CPU);
-* ``sdpa``: the same walk, the same plan, attending per segment through sdpa
-(:func:`trl_dta.walk.attention.flash.
-  use_flash` off);
+* ``sdpa``: the same walk, the same plan, attending per segment through sdpa (an executor given
+  :data:`~trl_dta.walk.attention.sdpa.SDPA_SEGMENTS`);
 * ``dense``: the model's own bf16 forward and backward, one sequence at a time.
 
 **The bound**: ``flash <= BOUND_FACTOR x sdpa + BOUND_FLOOR`` over all gradients (1.5x + 2e-3), and per
@@ -36,7 +35,6 @@ masking top-left, or a flash path that drops the gather's recompute (no gradient
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import random
@@ -46,9 +44,12 @@ import torch
 
 from ..compare import relative_error
 from ..trie import PrefixTrie
-from ..walk.attention import flash
+from ..walk.attention import check
+from ..walk.attention.sdpa import SDPA_SEGMENTS
+from ..walk.attention.torch_varlen import TorchVarlen, varlen_attn
+from ..walk.attention.torch_varlen import _parameters as signature
 from ..walk.executor import TreeExecutor
-from .varlen import flash_on_cpu, reference_varlen_attn, reference_varlen_attn_gqa
+from .varlen import reference_varlen_attn, reference_varlen_attn_gqa
 
 QWEN3_0_6B = dict(
     hidden_size=1024,
@@ -133,6 +134,7 @@ class Calls:
     count: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     error: dict = field(default_factory=lambda: dict.fromkeys(KINDS))  # (None: no call of it returned)
     total: int = 0
+    active: bool = False  # (off while the kernel is checked and the executors probe the model)
 
     def kinds(self, q, k, cu_q, cu_k) -> list[str]:
         """The kinds of a call (counted before the kernel runs: a checkpoint's recompute stops inside it
@@ -169,11 +171,16 @@ class Calls:
         for kind in kinds:
             self.error[kind] = max(self.error[kind] or 0.0, err)
 
-    def recording(self, kernel):
-        """``kernel`` (the varlen signature) recording each call here."""
+    def recording(self, kernel, probed_with=None):
+        """``kernel`` (the varlen signature) recording each call here; while not :attr:`active` (the
+        executors' construction probe), ``probed_with`` runs instead where given (a stand-in broken on
+        purpose is measured by this item's walks, not refused by the probe)."""
 
-        @functools.wraps(kernel)  # (flash.py reads the kernel's signature: enable_gqa or not)
+        @functools.wraps(kernel)  # (torch_varlen.py reads its signature: enable_gqa or not)
         def recorded(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs):
+            if not self.active:
+                run = probed_with or kernel
+                return run(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)
             kinds = self.kinds(query, key, cu_seq_q, cu_seq_k)
             out = kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)
             self.error_of(kinds, query, key, value, cu_seq_q, cu_seq_k, out, kwargs)
@@ -182,27 +189,21 @@ class Calls:
         return recorded
 
 
-@contextlib.contextmanager
-def _kernel(device: torch.device, calls: Calls, kernel=None):
-    """Within: the walk's flash path records its calls in ``calls``: torch's kernel on CUDA (its own check
-    first decides whether it runs at all), ``kernel`` or the stand-in elsewhere."""
+def _flash_kernel(device: torch.device, calls: Calls, kernel=None, kind=TorchVarlen) -> TorchVarlen:
+    """The walk's flash kernel recording its calls in ``calls``: torch's on CUDA (checked first: its verdict
+    decides whether it runs at all), ``kernel`` or the stand-in elsewhere."""
     if device.type == "cuda" and kernel is None:
-        saved = flash.varlen_attn
-        flash.varlen_attn = calls.recording(saved)
-        try:
-            yield
-        finally:
-            flash.varlen_attn = saved
-        return
-    stand_in = kernel or (
-        reference_varlen_attn_gqa if "enable_gqa" in _signature() else reference_varlen_attn
-    )
-    with flash_on_cpu(calls.recording(stand_in)):
-        yield
+        return kind(calls.recording(varlen_attn))
+    gqa = varlen_attn is not None and "enable_gqa" in signature(varlen_attn)
+    reference = reference_varlen_attn_gqa if gqa else reference_varlen_attn
+    probed = functools.partial(
+        _either_signature, reference_varlen_attn
+    )  # (whichever signature the kernel has)
+    return kind(calls.recording(kernel or reference, probed_with=probed), devices=None)
 
 
-def _signature() -> frozenset:
-    return flash._parameters(flash.varlen_attn) if flash.varlen_attn is not None else frozenset()
+def _either_signature(function, *args, enable_gqa=None, **kwargs):
+    return function(*args, **kwargs)
 
 
 def _loss(i: int, lp: torch.Tensor) -> torch.Tensor:
@@ -258,16 +259,19 @@ def run(
     kernel=None,
     seed: int = 0,
     on_scenario=None,
+    kind=TorchVarlen,
 ) -> dict:
     """The parity item (module docstring) on a Qwen3 of ``dims``: a report per scenario and whether all
-    passed. ``kernel``: a stand-in for the flash kernel (None: torch's on CUDA, the reference stand-in
-    elsewhere); ``on_scenario(report)``: called after each scenario (the suite writes its JSON then)."""
+    passed. ``kernel``: a stand-in for the flash kernel's function (None: torch's on CUDA, the reference
+    stand-in elsewhere), in a kernel of class ``kind`` (tests break it on purpose); ``on_scenario(report)``:
+    called after each scenario (the suite writes its JSON then)."""
     from ..walk.plan import Push
 
     device = torch.device(device)
     model = build(dims, device, seed)
     reference = copy.deepcopy(model).float()  # (the same weights: only the arithmetic differs)
-    calls = Calls(long_tokens, flash._CHECK_TOLERANCE[torch.bfloat16])
+    calls = Calls(long_tokens, check.TOLERANCE[torch.bfloat16])
+    flash = _flash_kernel(device, calls, kernel, kind)
     report = {
         "dims": dims,
         "device": str(device),
@@ -277,28 +281,25 @@ def run(
         "kernel_errors": calls.error,
         "bound": {"factor": BOUND_FACTOR, "floor": BOUND_FLOOR},
     }
-    if device.type == "cuda" and kernel is None:  # torch's kernel checked first, outside the recording
-        heads, kv, dim = (dims[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
-        q, k = (torch.zeros(1, h, dim, device=device, dtype=torch.bfloat16) for h in (heads, kv))
-        report["flash_usable"] = flash.usable(q, k, torch.bfloat16, dim**-0.5)
+    if flash.devices is not None:  # torch's kernel checked first (not recorded)
+        shape = tuple(dims[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim"))
+        report["flash_usable"] = flash.resolve(device, torch.bfloat16, shape) is flash
     for scenario in scenarios(dims["vocab_size"], scale, seed):
         ref = _dense(reference, scenario)
         errors = {"dense": relative_error(_dense(model, scenario), ref)}
         trie = PrefixTrie.from_sequences(scenario.sequences)
         # (no memory budget: the given budgets and no cost model, so the flash and sdpa walks run one plan,
         # as on a CPU; on CUDA "auto" would plan with the device's costs and price kept keys for sdpa only)
-        executor = TreeExecutor(model, memory_budget=None, **scenario.budgets)
-        plan = executor.plan(trie, entropy_grad=False, record=False)
-        with flash.use_flash(False):
-            assert executor.plan(trie, entropy_grad=False, record=False) == plan, (
-                "the two walks' plans differ"
-            )
-        before = calls.total
-        with _kernel(device, calls, kernel):
-            got = _walk(executor, model, scenario)
-        flash_calls = calls.total - before
-        with flash.use_flash(False):
-            sdpa = _walk(executor, model, scenario)
+        flash_walk, sdpa_walk = (
+            TreeExecutor(model, memory_budget=None, attention_kernel=k, **scenario.budgets)
+            for k in (flash, SDPA_SEGMENTS)
+        )
+        plan = flash_walk.plan(trie, entropy_grad=False, record=False)
+        assert sdpa_walk.plan(trie, entropy_grad=False, record=False) == plan, "the two walks' plans differ"
+        before, calls.active = calls.total, True
+        got = _walk(flash_walk, model, scenario)
+        calls.active, flash_calls = False, calls.total - before
+        sdpa = _walk(sdpa_walk, model, scenario)
         errors["flash"], errors["sdpa"] = relative_error(got, ref), relative_error(sdpa, ref)
         # (per tensor too: a tensor the kernel reaches must not hide behind another's larger error)
         excess = max(
@@ -330,7 +331,7 @@ def run(
         missing_kinds=missing,
         kernel_tolerance=calls.tolerance,
         loose_kinds=loose,
-        flash_checks={str(k): v for k, v in flash._VERDICTS.items()},
+        flash_checks={str(k): v for k, v in check.VERDICTS.items()},
     )
     report["ok"] = all(s["ok"] for s in report["scenarios"]) and not missing and not loose
     return report

@@ -1,14 +1,15 @@
-"""torch's flash varlen kernel stood in for on a CPU: the walk's CUDA attention path, run where no GPU is.
+"""The flash varlen kernels stood in for on a CPU: the walk's CUDA attention path, run where no GPU is.
 
-On CUDA the walk attends per segment with ``torch.nn.attention.varlen.varlen_attn``
-(:mod:`trl_dta.walk.attention.flash`), which has no CPU kernel. :func:`reference_varlen_attn` computes what
-that kernel computes, written plainly (each segment's queries against its keys, causal aligned bottom-right
-for ``window_size=(-1, 0)``), and checks its arguments as the kernel takes them (``(T, H, D)`` tensors, int32
-cumulative lengths, the longest lengths). :func:`flash_on_cpu` makes the walk take its flash path on a CPU
-with such a kernel, so that tests check that path's layout (the gathered keys, the cumulative lengths, the
-heads, the output's shape) exactly in float64, and benchmarks count what a GPU walk dispatches:
-:func:`counted_varlen_attn` is the same kernel as one operator forward and one backward, as the flash
-kernel launches.
+On CUDA the walk attends per segment with torch's ``varlen_attn`` (:mod:`trl_dta.walk.attention.
+torch_varlen`) or flash-attn's ``flash_attn_varlen_func`` (:mod:`trl_dta.walk.attention.flash_attn_varlen`),
+which have no CPU kernel. :func:`reference_varlen_attn` computes what the first computes, written plainly
+(each segment's queries against its keys, causal aligned bottom-right for ``window_size=(-1, 0)``), and checks
+its arguments as the kernel takes them (``(T, H, D)`` tensors, int32 cumulative lengths, the longest lengths);
+:func:`reference_flash_attn_varlen_func` is the same with flash-attn's signature. :func:`flash_on_cpu` and
+:func:`flash_attn_on_cpu` are the walk's two flash kernels on a CPU with such a function, so that tests check
+that path's layout (the gathered keys, the cumulative lengths, the heads, the output's shape) exactly in
+float64, and benchmarks count what a GPU walk dispatches: :func:`counted_varlen_attn` is the same kernel as
+one operator forward and one backward, as the flash kernel launches.
 
 ``gqa_flag``: the kernel takes an ``enable_gqa`` argument (torch >= 2.12), or takes fewer K/V heads as they
 are (torch 2.11); both are checked.
@@ -16,11 +17,10 @@ are (torch 2.11); both are checked.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from ..walk.attention import flash
+from ..walk.attention.flash_attn_varlen import FlashAttnVarlen
+from ..walk.attention.torch_varlen import TorchVarlen
 
 
 def _check(query, key, cu_seq_q, cu_seq_k, max_q, max_k, window_size) -> None:
@@ -166,14 +166,23 @@ def counted_varlen_attn(
     return _varlen_op(query, key, value, cu_seq_q, cu_seq_k, scale)
 
 
-@contextlib.contextmanager
-def flash_on_cpu(kernel=reference_varlen_attn):
-    """Within: the walk takes its flash path (:mod:`trl_dta.walk.attention.flash`) on any device and dtype,
-    with ``kernel`` in place of torch's ``varlen_attn``."""
-    saved = flash.varlen_attn, flash.usable
-    flash.varlen_attn = kernel
-    flash.usable = lambda q, k, dtype, scale: flash.enabled()
-    try:
-        yield
-    finally:
-        flash.varlen_attn, flash.usable = saved
+def flash_on_cpu(function=reference_varlen_attn) -> TorchVarlen:
+    """torch's flash kernel with ``function`` (``varlen_attn``'s signature) in place of ``varlen_attn``, on
+    any device and dtype and not checked first (tests break it on purpose): an executor's
+    ``attention_kernel``."""
+    return TorchVarlen(function, devices=None)
+
+
+def reference_flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, **kwargs):
+    """What flash-attn's ``flash_attn_varlen_func`` computes (its signature: ``softmax_scale``, ``causal``
+    aligned bottom-right)."""
+    scale, causal = kwargs.pop("softmax_scale", None), kwargs.pop("causal", False)
+    assert dropout_p == 0.0 and not kwargs, "the walk asks for no dropout and no other option"
+    window = (-1, 0) if causal else (-1, -1)
+    return reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=window)
+
+
+def flash_attn_on_cpu(function=reference_flash_attn_varlen_func, module="flash_attn") -> FlashAttnVarlen:
+    """flash-attn's kernel (``module``: FA2's or FA3's) with ``function`` in its place, as
+    :func:`flash_on_cpu`."""
+    return FlashAttnVarlen(module, function, devices=None)

@@ -55,7 +55,7 @@ class StepWalk(AbstractContextManager):
     def __enter__(self) -> StepWalk:
         if self.trie is not None:
             calls = self.executor.calls
-            self._calls = (calls.forward, calls.backward, calls.tokens)
+            self._calls = (calls.forward, calls.backward, calls.tokens, calls.attention.copy())
         return self
 
     def __exit__(self, kind, *exc):
@@ -166,6 +166,8 @@ class StepWalk(AbstractContextManager):
         forward, backward = executor.calls.forward - self._calls[0], executor.calls.backward - self._calls[1]
         metrics[f"{p}calls"].append(float(forward + backward))
         metrics[f"{p}tokens_per_call"].append((executor.calls.tokens - self._calls[2]) / max(forward, 1))
+        for kernel, n in (executor.calls.attention - self._calls[3]).items():  # (by kernel)
+            metrics[f"{p}attention_calls/{kernel}"].append(float(n))
         metrics[f"{p}time_s"].append(self.time_s)
         for name, value in executor.budgets.metrics().items():  # the budgets in use (derived or given)
             metrics[f"{p}{name}"].append(float(value))

@@ -62,3 +62,16 @@ def check_backward_call(lm, router_grad, gather_per_layer: bool) -> None:
         )
     if not any(p.requires_grad for p in lm.model.parameters()):
         raise ValueError(f"{lm.name} has no parameter that requires grad: backward has nothing to do.")
+
+
+def check_loss(loss, index: int):
+    """What a gradient walk's ``loss_fn`` returned for sequence ``index``: a scalar tensor (returned)."""
+    if not isinstance(loss, torch.Tensor):
+        raise ArgumentTypeError(
+            f"loss_fn must return a scalar tensor, got {type(loss).__name__} for sequence {index}"
+        )
+    if loss.dim() != 0:
+        raise ValueError(
+            f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)} for sequence {index}"
+        )
+    return loss

@@ -41,8 +41,8 @@ from torch import nn
 from ..trie import PrefixTrie
 from .adapter.checks import check_count
 from .adapter.model import CausalLM
-from .attention import flash
-from .call_checks import check_backward_call, check_walk_call
+from .attention.kernel import AttentionKernel
+from .call_checks import check_backward_call, check_loss, check_walk_call
 from .cost.cost_model import CostModel
 from .cost.costs import CallCost
 from .cost.flops import flops as count_flops
@@ -123,6 +123,8 @@ class TreeExecutor:
             them (docs/cost-model.md). None: the device kind's shipped constants, nothing timed.
         head: what a scored position gives (a :class:`~trl_dta.walk.heads.Head`); None: the model's default
             (:func:`~trl_dta.walk.heads.default_head`: values for a value model, else log-probs).
+        attention_kernel: how its calls attend (:mod:`trl_dta.walk.attention.kernel`); None: the kernel of the
+            model's ``attn_implementation`` (:mod:`trl_dta.walk.attention.kernels`).
 
     :attr:`budgets` reports the budgets in use (``budgets.in_use``, ``budgets.metrics()``),
     :meth:`take_oom_retries` the walks retried after running out of memory, :attr:`peak_memory` the last
@@ -144,6 +146,7 @@ class TreeExecutor:
         budgets: Budgets | None = None,
         cost_model: CostModel | str | None = None,
         head: Head | None = None,
+        attention_kernel: AttentionKernel | None = None,
     ):
         if budgets is None:
             budgets = Budgets(memory_budget, block_size, batch_tokens, subtree_tokens)
@@ -154,7 +157,7 @@ class TreeExecutor:
         self.budgets = budgets  # the options, the budgets in use, their halving after running out of memory
         self._pack_leaves = bool(pack_leaves)
         self.gather_per_layer = bool(gather_per_layer)
-        self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32)
+        self.lm = CausalLM(model, lm_head_fp32=lm_head_fp32, kernel=attention_kernel)
         self.head = default_head(self.lm) if head is None else head
         self.calls = CallCounts()  # model calls of every walk so far (tree/calls, tree/tokens_per_call)
         # which calls to merge: the device kind's cost model unless set (:mod:`trl_dta.walk.cost.costs`)
@@ -183,25 +186,26 @@ class TreeExecutor:
         trainers log as ``tree/oom_retries``."""
         return 0 if self.oom_recovery is None else self.oom_recovery.take_retries()
 
-    def plan(self, trie: PrefixTrie, entropy_grad: bool = True, record: bool = True, explore=False) -> list:
+    def plan(
+        self, trie: PrefixTrie, entropy_grad: bool = True, record: bool = True, explore=False, kernel=None
+    ) -> list:
         """The steps a walk of ``trie`` runs (:func:`trl_dta.walk.plan.build_plan`) with this executor's
-        budgets and the call cost model of its device and attention kernel (fitted, with a
-        :attr:`cost_model`); records the budgets as ``budgets.in_use`` (unless not ``record``). ``explore``:
-        within the same budgets, merge nothing (launches priced at 0), so that the cost model measures
-        small calls (:mod:`trl_dta.walk.cost.cost_model`)."""
+        budgets and the call cost model of its device and attention ``kernel`` (None: the model's,
+        :meth:`~trl_dta.walk.adapter.model.CausalLM.walk_kernel`; fitted, with a :attr:`cost_model`);
+        records the budgets as ``budgets.in_use`` (unless not ``record``). ``explore``: within the same
+        budgets, merge nothing (launches priced at 0), so that the cost model measures small calls."""
         budgets = self.token_budgets(trie, entropy_grad)
         if record:
             self.budgets.use(budgets, self.lm.name)
         subtree = budgets.subtree_tokens if self.pack_leaves else 0
+        kernel = kernel or self.lm.walk_kernel()
         costs = self.call_cost
         if costs is None and (self.budgets.memory is not None or explore):  # (else each leaf batch filled)
-            costs = self.fitted_costs() or CallCost.for_model(
-                self.lm.config, self.device.type, self.lm.block_sparse, self.lm.per_segment
-            )
+            costs = self.fitted_costs() or CallCost.for_model(self.lm.config, self.device.type, kernel)
             # (exploring, rows are priced at their rectangle: split per segment a merge would cost nothing)
-            costs = replace(costs, fixed=0.0, per_segment=False) if explore else costs
+            costs = replace(costs, fixed=0.0, kernel=None) if explore else costs
         key_weight = 0.0  # (memory budgets: a call's gathered keys count against it, where they are kept)
-        if self.budgets.memory is not None and self.lm.segment_attention and not flash.expected(self.lm):
+        if self.budgets.memory is not None and kernel.keeps_keys:
             key_weight = self.budgets.key_weight(self.lm, entropy_grad, self.head)
         return build_plan(
             trie, budgets.block_size, budgets.batch_tokens, self.pack_leaves, subtree, costs, key_weight
@@ -297,15 +301,7 @@ class TreeExecutor:
         total = []
 
         def on_loss(index, lp, ent):
-            loss = loss_fn(index, lp, ent)
-            if not isinstance(loss, torch.Tensor):
-                raise ArgumentTypeError(
-                    f"loss_fn must return a scalar tensor, got {type(loss).__name__} for sequence {index}"
-                )
-            if loss.dim() != 0:
-                raise ValueError(
-                    f"loss_fn must return a scalar tensor, got shape {tuple(loss.shape)} for sequence {index}"
-                )
+            loss = check_loss(loss_fn(index, lp, ent), index)
             total.append(loss.detach())
             return loss
 
@@ -361,7 +357,8 @@ class TreeExecutor:
             entropy_grad = grad and entropies and entropy_grad
             started = time.perf_counter()
             explore = grad and self.call_cost is None and self._cost_model_explores()
-            plan = self.plan(trie, entropy_grad, explore=explore)
+            kernel = lm.walk_kernel()  # (the plan prices it, the calls attend with it)
+            plan = self.plan(trie, entropy_grad, explore=explore, kernel=kernel)
             path_kv = PathKV(capacity(plan, self.pack_leaves))
             walk = Walk(
                 trie,
@@ -377,7 +374,7 @@ class TreeExecutor:
                 self.calls,
                 lockstep,
                 entropy_grad=entropy_grad,
-                inputs=WalkInputs(trie, plan, self.device, self.pack_leaves, lm.segment_attention),
+                inputs=WalkInputs(trie, plan, self.device, self.pack_leaves, kernel),
                 peak=peak,
                 head=self.head,
             )

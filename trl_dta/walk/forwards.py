@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from .adapter.model import CausalLM, ForwardResult
-from .attention.packing import packed_block_mask, packed_mask
 from .plan import PackedSubtree, SiblingLeaves
 from .state import Walk
 
@@ -21,6 +20,8 @@ def forward(lm: CausalLM, walk: Walk, ids: torch.Tensor, start: int, **packing) 
     walk.calls.forward += 1
     walk.calls.tokens += ids.numel()
     out = lm.forward(ids, start, walk.kv, states, router_logits=walk.router is not None, **packing)
+    layout = packing.get("layout")
+    walk.calls.attention[layout.ran if layout is not None else lm.kernel.name] += 1
     walk.lockstep.forward(out.caches)
     return out
 
@@ -53,13 +54,8 @@ def forward_packed(lm: CausalLM, walk: Walk, ids: list[torch.Tensor], start: int
     assert isinstance(step, SiblingLeaves | PackedSubtree)
     lengths = [t.numel() for t in ids]
     row = walk.inputs.row(step)  # (built on the host with the walk's other index tensors)
-    layout, mask = walk.inputs.layout(step), None
-    if layout is not None:  # attention per segment: no mask (segment_attention.py)
-        pass
-    elif lm.block_sparse:  # flex attention: only the tiles that hold a visible pair are computed
-        mask = packed_block_mask(row, start)
-    else:
-        mask = packed_mask(row, start, lm.lm_head.weight.dtype)
+    layout = walk.inputs.layout(step)  # (attention per segment: no mask, segment_attention.py)
+    mask = None if layout is not None else lm.kernel.row_mask(row, start, lm.lm_head.weight.dtype)
     hidden, _, routers = forward(
         lm,
         walk,

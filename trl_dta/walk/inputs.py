@@ -25,13 +25,11 @@ from .plan import PackedSubtree, Push, Segment, SiblingLeaves, Step
 
 class WalkInputs:
     """The ids of every segment of ``plan`` and the index tensors of its packed rows (``packed`` steps: those
-    the executor forwards as one packed row), on ``device``, from one host-to-device copy; with ``segments``,
-    every one-row call's :class:`~trl_dta.walk.attention.segment_layout.SegmentLayout` too
-    (:meth:`layout`)."""
+    the executor forwards as one packed row), on ``device``, from one host-to-device copy; where the walk's
+    ``kernel`` attends per segment, every one-row call's :class:`~trl_dta.walk.attention.segment_layout.
+    SegmentLayout` too, attended by it (:meth:`layout`)."""
 
-    def __init__(
-        self, trie: PrefixTrie, plan: list[Step], device: torch.device, packed: bool, segments: bool = False
-    ):
+    def __init__(self, trie: PrefixTrie, plan: list[Step], device: torch.device, packed: bool, kernel=None):
         self._chunks: list = []  # of numpy arrays and lists: the host tensor, in order
         self._size = 0
         self._ids: dict[Segment, tuple[int, int]] = {}
@@ -49,7 +47,7 @@ class WalkInputs:
                 rows[id(step)] = self._row(steps, parents)
             one_row = len(steps) == 1 or packed and is_row  # (a push, a lone leaf, a packed row)
             key = step.segment if isinstance(step, Push) else id(step)
-            if segments and one_row and key not in layouts:
+            if kernel is not None and kernel.per_segment and one_row and key not in layouts:
                 layouts[key] = self._layout([s.num_tokens for s in steps], parents, steps[0].start)
         flat = np.concatenate(self._chunks).astype(np.int64) if self._chunks else np.zeros(0, np.int64)
         host = torch.from_numpy(flat)
@@ -58,6 +56,7 @@ class WalkInputs:
         self._flat = host.to(device, non_blocking=True)
         self._rows = rows
         self._packed_rows: dict[int, PackedRow] = {}
+        self._kernel = kernel
         self._layouts = {key: self._view(key, *parts) for key, parts in layouts.items()}
 
     def _add(self, chunk) -> int:
@@ -92,7 +91,9 @@ class WalkInputs:
         both = self._flat[cu : cu + n].view(torch.int32)  # (no copy)
         index = None if index_at is None else self._flat[index_at[0] : index_at[0] + index_at[1]]
         row = self.row(key) if isinstance(key, int) and key in self._rows else None
-        return SegmentLayout(start, lengths, k_lens, both[:n], both[n:], index, row, split)
+        layout = SegmentLayout(start, lengths, k_lens, both[:n], both[n:], index, row, split)
+        layout.kernel = self._kernel
+        return layout
 
     def ids(self, segment: Segment) -> torch.Tensor:
         """The token ids [L] of ``segment``."""

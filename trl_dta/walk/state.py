@@ -13,6 +13,7 @@ backpropagates. Its K/V are read (and their gradients collected) in the walk's
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -119,11 +120,13 @@ class Frame:
 class CallCounts:
     """Model calls made by an executor's walks, cumulative: forwards, the backward calls through the model
     (a leaf batch's or a popped segment's; not the handle-only backward of a pushed segment's finished
-    sequences) and the token positions forwarded (padding included)."""
+    sequences), the token positions forwarded (padding included), and the forwards each attention kernel
+    attended (:mod:`trl_dta.walk.attention.kernel`)."""
 
     forward: int = 0
     backward: int = 0
     tokens: int = 0
+    attention: Counter = field(default_factory=Counter)  # forwards per attention kernel (its name)
 
 
 @dataclass

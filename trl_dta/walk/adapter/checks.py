@@ -77,6 +77,18 @@ def attention_window(config) -> tuple[int | None, str]:
     return min(windows) if windows else (None, "")
 
 
+def logit_scale(config) -> float:
+    """The multiplier a model applies to its logits (same lookup as TRL's fused LM head)."""
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return float(value)
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling is not None:
+        return float(scaling) if config.model_type == "hyperclovax" else 1.0 / float(scaling)
+    return 1.0
+
+
 def check_stateful_layers(config, name: str) -> None:
     """Refuse layers whose cache the walk does not carry: sparse-attention indexers and compressed
     attention, and any state-keeping layer type other than those of transformers' linear-attention cache

@@ -29,8 +29,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..attention.packing import causal_block_mask
-from ..attention.segment_attention import SegmentLayout, attending
+from ..attention.kernel import AttentionKernel
+from ..attention.kernels import head_shape, model_kernel, own_attention
+from ..attention.segment_attention import attending
+from ..attention.segment_layout import SegmentLayout
 from ..distributed.sharding import gathered_for_check, is_fsdp1
 from ..errors import UnsupportedModelError
 from ..path_kv import PathKV
@@ -51,18 +53,6 @@ class ForwardResult(NamedTuple):
     hidden: torch.Tensor
     caches: list[LayerCache]
     routers: list[torch.Tensor] | None
-
-
-def _logit_scale(config) -> float:
-    """The multiplier a model applies to its logits (same lookup as TRL's fused LM head)."""
-    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
-        value = getattr(config, name, None)
-        if value is not None:
-            return float(value)
-    scaling = getattr(config, "logits_scaling", None)
-    if scaling is not None:
-        return float(scaling) if config.model_type == "hyperclovax" else 1.0 / float(scaling)
-    return 1.0
 
 
 def _base_model(model: nn.Module) -> nn.Module:
@@ -113,9 +103,19 @@ class CausalLM:
             leaves are never packed, since only the probe shows that packing is exact for the model, and a
             model without weights (on the meta device) is accepted: only its structure is checked
             (:mod:`trl_dta.walk.adapter.preflight`).
+        kernel: the attention kernel its calls attend with (:mod:`trl_dta.walk.attention.kernel`); None:
+            its ``attn_implementation``'s (:func:`~trl_dta.walk.attention.kernels.model_kernel`). One that
+            attends per segment is used where the probe finds the model exact through it (a given one: else
+            an error); :attr:`kernel` holds the one in use.
     """
 
-    def __init__(self, model: nn.Module, lm_head_fp32: bool = False, probe: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        lm_head_fp32: bool = False,
+        probe: bool = True,
+        kernel: AttentionKernel | None = None,
+    ):
         if is_fsdp1(model):
             raise UnsupportedModelError(
                 "the model is wrapped by FSDP1 (FullyShardedDataParallel), which the tree walk does not "
@@ -138,7 +138,7 @@ class CausalLM:
         self.lm_head_fp32 = lm_head_fp32
         if self.decoder is None or self.decoder is base:
             raise UnsupportedModelError(f"{self.name} is not a decoder + LM head causal LM; not supported.")
-        self.logit_scale = _logit_scale(self.config)
+        self.logit_scale = checks.logit_scale(self.config)
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
         self.cache_kinds = cache_kinds(self.config)
         self.has_states = any(k in ("state", "hybrid") for k in self.cache_kinds)
@@ -155,6 +155,7 @@ class CausalLM:
         self._deterministic_in: set[bool] = set()  # the modes (training flag) found deterministic
         checks.check_stateful_layers(self.config, self.name)
         self._probed = probe
+        self._given_kernel = kernel
         self._bind()
 
     def _bind(self) -> None:
@@ -167,9 +168,7 @@ class CausalLM:
         # applies as given (no window of its own, no index-based bias: the probe checks the latter). State
         # layers would carry one leaf's state into the next leaf of a packed row.
         impl = getattr(self.config, "_attn_implementation", None) or "eager"
-        self.block_sparse = impl == "flex_attention"  # packed rows take a BlockMask (packing.py)
-        self._sdpa = impl == "sdpa"
-        if self.block_sparse and self.device.type == "cpu" and self._probed:  # (unprobed: not placed yet)
+        if impl == "flex_attention" and self.device.type == "cpu" and self._probed:  # (unprobed: not placed)
             raise UnsupportedModelError(
                 "attn_implementation='flex_attention' is supported on CUDA only: torch's flex attention has "
                 "no backward on CPU, and its compiled CPU kernels failed on the walk's calls (torch 2.13). "
@@ -177,11 +176,30 @@ class CausalLM:
             )
         masks = ("eager", "sdpa", "flex_attention")  # backends that take the walk's masks
         self._may_pack = impl in masks and self.attention_window is None and not self.has_states
-        # sdpa models attend per segment (segment_attention.py) where the probe finds it exact
-        self._may_segment = self._sdpa and self.attention_window is None and not self.has_states
+        # a kernel that attends per segment (segment_attention.py) is used where the probe finds it exact
+        self.kernel = self._given_kernel or model_kernel(impl)
+        self._may_segment = self.kernel.per_segment and self.attention_window is None and not self.has_states
         self.segment_attention = False  # (until the probe finds it exact)
         kept = kept_verdict(self) if self._probed else (False, False)  # (unprobed: never packs)
         self.can_pack, self.segment_attention = self.probe() if kept is None else kept
+        if self.kernel.per_segment and not self.segment_attention:
+            if self._given_kernel is not None and self._probed:
+                raise UnsupportedModelError(
+                    f"{self.name} cannot attend per segment with the kernel {self.kernel.name}: an attention "
+                    "window, state layers, or calls the probe did not find exact (logged)."
+                )
+            self.kernel = own_attention(impl)
+
+    def walk_kernel(self, dtype: torch.dtype | None = None) -> AttentionKernel:
+        """The kernel the next walk's calls attend with: :attr:`kernel` resolved for the model's device, the
+        attention dtype (``dtype``; None: autocast's where it is on, else the input embeddings') and its head
+        shape (:meth:`~trl_dta.walk.attention.kernel.AttentionKernel.resolve`)."""
+        if dtype is None:
+            embeddings = self.decoder.get_input_embeddings()
+            dtype = (self.lm_head if embeddings is None else embeddings).weight.dtype
+            if torch.is_autocast_enabled(self.device.type):
+                dtype = torch.get_autocast_dtype(self.device.type)
+        return self.kernel.resolve(self.device, dtype, head_shape(self.config))
 
     def _binding(self) -> tuple:
         lm_head, _ = output_head(self.base)
@@ -192,12 +210,6 @@ class CausalLM:
     def is_moe(self) -> bool:
         """Whether the model can return router logits (TRL's test for an MoE model)."""
         return hasattr(self.config, "output_router_logits")
-
-    @property
-    def per_segment(self) -> bool:
-        """Whether calls attend per segment (:mod:`.segment_attention`): a packed row computes only the
-        query-key pairs the tree needs (on a CPU, where that pays)."""
-        return self.segment_attention
 
     @property
     def device(self) -> torch.device:
@@ -336,8 +348,8 @@ class CausalLM:
         cache = RecordingCache(states, self.cache_kinds, start, kv)
         if positions is None:
             positions = torch.arange(start, start + length, device=input_ids.device).expand(batch, length)
-        if attention_mask is None and self.block_sparse:
-            attention_mask = causal_block_mask(length, start, input_ids.device)
+        if attention_mask is None and layout is None:  # (flex attention: the walk's own causal BlockMask)
+            attention_mask = self.kernel.causal_mask(length, start, input_ids.device)
         extra = {} if attention_mask is None else {"attention_mask": attention_mask}
         if self.is_moe:  # ask explicitly: the config's own flag must not decide what the walk computes
             extra["output_router_logits"] = router_logits

@@ -275,13 +275,13 @@ def _segments_are_exact(p: _Probe, dense_prefix, dense_leaves) -> bool:
     sub = (p.leaves[0], p.leaves[1], p.leaves[2])
     refs = [dense_leaves[0][_PREFIX:], p.dense(chain)[_PREFIX + 2 :], dense_leaves[2][_PREFIX:]]
     calls.append((sub, (-1, 0, -1), _PREFIX, refs))
-    lm.segment_attention = True
+    lm.segment_attention, kernel = True, lm.walk_kernel()  # (the weights' dtype: autocast is off)
     try:
         for segments, parents, start, refs in calls:
             lengths = [len(x) for x in segments]
             row = _row(lengths, parents, start, p.device) if len(segments) > 1 else None
             for split in (True, False) if row is not None else (True,):
-                layout = SegmentLayout.build(lengths, parents, start, p.device, row=row)
+                layout = SegmentLayout.build(lengths, parents, start, p.device, row=row, kernel=kernel)
                 layout.split = split
                 positions = None if row is None else row.positions[None]
                 tokens = p.ids([t for x in segments for t in x])

@@ -5,25 +5,11 @@ leaves, a packed subtree: :mod:`trl_dta.walk.attention.packing`). Each segment's
 (cache positions ``[0, start)``), the tokens of its ancestors in the row, and its own tokens causally: over
 its keys, a causal mask aligned bottom-right. A :class:`SegmentLayout` holds this for one call: per segment
 its queries (a run of the row) and its keys (position ranges of the path's K/V), as the cumulative lengths and
-key index a variable-length kernel takes. No mask, no rectangle: only the pairs the tree needs.
-
-The kernels, chosen per call (:func:`attention`):
-
-* on CUDA in bf16/fp16: torch's flash kernel for variable-length batches
-(:mod:`trl_dta.walk.attention.flash`), one
-  kernel per layer forward and one backward, on every segment's keys gathered into one tensor
-  (``index_select``: segments that share a past each get a copy, recomputed in the backward rather than
-  kept); a call with one segment (a push) reads the path's buffer in place;
-* elsewhere (a CPU, float32/64, a head size the flash kernel refuses, a kernel that failed its check): the
-  same layout through ``scaled_dot_product_attention``, once per segment; or, for a packed row whose segments
-  see most of its rectangle (:func:`~trl_dta.walk.cost.costs.per_segment_pays`), once for the row with its
-  tree-shaped mask (copying every segment's keys then costs about what the skipped pairs save). Here the
-  gathered keys are kept for the backward (attention is a larger share of a CPU's time;
-  :func:`~trl_dta.walk.memory.memory_model.activation_bytes` counts them). CPU tests check this path exactly
-  (fp64 against dense), and the flash kernel is checked against it.
-
-Under autocast both attend in autocast's dtype, as sdpa does there (under bf16 mixed precision over float32
-weights, queries and keys leave their norms and RoPE in float32).
+key index a variable-length kernel takes, and the kernel that attends them (:mod:`trl_dta.walk.attention.
+kernel`, resolved at the walk's plan: sdpa per segment on a CPU, a flash varlen kernel on CUDA). No mask, no
+rectangle: only the pairs the tree needs. Under autocast the kernels attend in autocast's dtype, as sdpa does
+there (under bf16 mixed precision over float32 weights, queries and keys leave their norms and RoPE in
+float32).
 
 The hook: :func:`attention` is registered in transformers' ``AttentionInterface`` as :data:`ATTENTION`
 (as TRL's asynchronous trainer hooks in its tree attention), so every decoder whose attention layers call
@@ -44,10 +30,10 @@ import logging
 import torch
 
 from ..errors import UnsupportedModelError
-from . import flash
-from .segment_layout import ATTENTION, SegmentLayout, key_ranges, sdpa_per_segment, sdpa_row
+from .sdpa import SDPA_SEGMENTS
+from .segment_layout import ATTENTION, SegmentLayout
 
-__all__ = ["ATTENTION", "SegmentLayout", "attending", "attention", "key_ranges", "register"]
+__all__ = ["attending", "attention", "register"]
 
 logger = logging.getLogger(__name__)
 _ACTIVE: contextvars.ContextVar[SegmentLayout | None] = contextvars.ContextVar("trl_dta_layout", default=None)
@@ -105,17 +91,28 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     q = query.squeeze(0).transpose(0, 1)  # [T, H, D] (views: no copy, none in backward)
     k, v = key.squeeze(0).transpose(0, 1), value.squeeze(0).transpose(0, 1)  # [S, Hkv, D]
     dtype = _autocast_dtype(q) or q.dtype  # (as sdpa under autocast: attention in autocast's dtype)
-    if flash.usable(q, k, dtype, scale):
-        out = flash.attend(q, k, v, layout, scale, dtype)
-    elif layout.split:
-        out = sdpa_per_segment(*_cast(dtype, q, *layout.gather(k, v)), layout, scale)
-    else:
-        out = sdpa_row(*_cast(dtype, query, key, value), layout, scale)
-    return out.unsqueeze(0), None
+    kernel = layout.kernel
+    if not kernel.takes(q, dtype):  # (resolved for another device or dtype than this call's)
+        _warn_untaken(kernel, q, dtype)
+        kernel = SDPA_SEGMENTS
+    layout.ran = kernel.name
+    return kernel.attend(q, k, v, layout, scale, dtype).unsqueeze(0), None
 
 
-def _cast(dtype, *tensors):
-    return [t.to(dtype) for t in tensors]  # (no copy where it is that dtype)
+_UNTAKEN: set = set()
+
+
+def _warn_untaken(kernel, q, dtype) -> None:
+    if kernel.name not in _UNTAKEN:
+        _UNTAKEN.add(kernel.name)
+        logger.warning(
+            "A walk's call attends in %s on %s, not what its kernel %s was resolved for (the plan reads the "
+            "weights' dtype or autocast's): it attends with sdpa per segment (tree/attention_calls/%s).",
+            dtype,
+            q.device,
+            kernel.name,
+            SDPA_SEGMENTS.name,
+        )
 
 
 def _autocast_dtype(q) -> torch.dtype | None:

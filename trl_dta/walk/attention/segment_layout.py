@@ -1,8 +1,6 @@
 """The layout of one call's segments for attention per segment (:class:`SegmentLayout`: per segment its
-queries and the cache positions of its keys, as a variable-length kernel takes them), and the plain sdpa
-kernels on it (:func:`sdpa_per_segment`, :func:`sdpa_row`). :mod:`trl_dta.walk.attention.segment_attention`
-attends with them, or with torch's flash kernel (:mod:`trl_dta.walk.attention.flash`, checked against
-:func:`sdpa_per_segment`).
+queries and the cache positions of its keys, as a variable-length kernel takes them, and the kernel that
+attends them: :mod:`trl_dta.walk.attention.kernel`).
 """
 
 from __future__ import annotations
@@ -11,11 +9,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
-from ..cost.costs import per_segment_pays
 from ..errors import UnsupportedModelError
-from .packing import PackedRow, packed_visible
+from .kernel import AttentionKernel
+from .packing import PackedRow
+from .sdpa import SDPA_SEGMENTS, per_segment_pays
 
 ATTENTION = "trl_dta_segments"  # the attention function's name in transformers' AttentionInterface
 
@@ -49,7 +47,8 @@ class SegmentLayout:
     ``q_cu`` / ``k_cu``: cumulative query / key lengths [n + 1] (int32); ``key_index``: the cache positions
     of every segment's keys, concatenated [sum(k_lens)] (None: one segment that sees ``[0, start + tokens)``,
     read in place); ``row``: a packed row's index tensors (its mask, where the row is attended whole);
-    ``split``: the sdpa path attends per segment (else the row at once)."""
+    ``split``: the sdpa kernel attends per segment (else the row at once); ``kernel``: what attends it (the
+    walk's, resolved at its plan)."""
 
     start: int
     q_lens: tuple[int, ...]
@@ -60,6 +59,8 @@ class SegmentLayout:
     row: PackedRow | None
     split: bool
     calls: int = 0  # attention calls made with it since the call began
+    kernel: AttentionKernel = SDPA_SEGMENTS
+    ran: str = ""  # the name of the kernel that attended its last call
 
     @property
     def tokens(self) -> int:
@@ -82,7 +83,7 @@ class SegmentLayout:
 
     @classmethod
     def build(
-        cls, lengths: list[int], parents: tuple[int, ...], start: int, device, row=None
+        cls, lengths: list[int], parents: tuple[int, ...], start: int, device, row=None, kernel=SDPA_SEGMENTS
     ) -> SegmentLayout:
         """A layout built here, with its own host-to-device copies (the probe's, tests'); a walk builds its
         calls' layouts at once (:class:`~trl_dta.walk.inputs.WalkInputs`)."""
@@ -96,6 +97,7 @@ class SegmentLayout:
             None if index is None else torch.from_numpy(index).to(device),
             row,
             split,
+            kernel=kernel,
         )
 
     def gather(self, k, v):
@@ -113,32 +115,3 @@ class SegmentLayout:
                 f"{name}: {self.calls} of its {layers} attention layers called transformers' attention "
                 f"function {ATTENTION!r}; a model with its own attention code cannot attend per segment."
             )
-
-
-def sdpa_per_segment(q, k, v, layout: SegmentLayout, scale: float) -> torch.Tensor:
-    """Each segment's queries ``q`` [T, H, D] against its gathered keys and values ``k``, ``v``
-    [sum(k_lens), Hkv, D] (:meth:`SegmentLayout.gather`), causal aligned bottom-right, through sdpa: the CPU
-    path, and the reference the flash kernel is checked against."""
-    gqa = q.shape[1] != k.shape[1]
-    outs, q0, k0 = [], 0, 0
-    for n, m in zip(layout.q_lens, layout.k_lens, strict=True):
-        # [1, heads, n or m, D]: sdpa's fused CPU kernels take 4-D inputs only
-        qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[q0 : q0 + n], k[k0 : k0 + m], v[k0 : k0 + m]))
-        mask = None if n == m else torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=mask, is_causal=n == m, scale=scale, enable_gqa=gqa
-        )
-        outs.append(o[0].transpose(0, 1))
-        q0, k0 = q0 + n, k0 + m
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
-
-
-def sdpa_row(query, key, value, layout: SegmentLayout, scale: float) -> torch.Tensor:
-    """A packed row at once, with its tree-shaped mask (built once per call, shared by its layers)."""
-    mask = getattr(layout, "_mask", None)
-    if mask is None:
-        mask = layout._mask = packed_visible(layout.row, layout.start)[None, None]
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
-    )  # [1, H, T, D]
-    return out[0].transpose(0, 1)

@@ -52,7 +52,7 @@ def device_name(device: torch.device) -> str:
 
 def model_signature(config, dtype: torch.dtype, attention: str, packed: str) -> str:
     """The model's shape as the constants see it: widths, depth, vocabulary, dtype, attention kernel and
-    the pairs it computes in a packed row (``packed``: "rectangle", "tiles" or "segments")."""
+    the kernel that attends it (``packed``: its name, which says the pairs a packed row computes)."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     keys = (
         "model_type",

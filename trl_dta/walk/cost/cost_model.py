@@ -109,7 +109,8 @@ class CostModel:
             return
         from ..memory.budgets import activation_dtype
 
-        shipped = CallCost.for_model(lm.config, device.type, lm.block_sparse, lm.per_segment)
+        kernel = lm.walk_kernel()
+        shipped = CallCost.for_model(lm.config, device.type, kernel)
         given = self._given_prior or shipped  # (its constants; attention kind and overlap: the device's)
         template = replace(shipped, fixed=given.fixed, per_token=given.per_token, per_pair=given.per_pair)
         text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
@@ -117,8 +118,7 @@ class CostModel:
         rate = device_costs(device.type).flop_rate
         prior = Constants(template.fixed, template.per_token, template.per_pair, scored / rate)
         attention = getattr(lm.config, "_attn_implementation", None) or "eager"
-        kernel = "tiles" if lm.block_sparse else "segments" if lm.per_segment else "rectangle"
-        signature = model_signature(lm.config, activation_dtype(lm), attention, kernel)
+        signature = model_signature(lm.config, activation_dtype(lm), attention, kernel.name)
         self.initialise(template, prior, f"{device_name(device)} | {signature}")
 
     def initialise(self, template: CallCost, prior: Constants, key: str) -> None:

@@ -8,13 +8,13 @@ One forward + backward call of the walk costs about::
   Python and dispatch on a CPU): :data:`DEVICE_COSTS`;
 * ``per_token``: the decoder's matmuls, ``6 x`` the parameters a token runs through (forward + backward),
   at the device's FLOP rate (the LM head scores the same positions however calls are cut: left out);
-* ``per_pair``: attention, ``12 x`` the query width per query-key pair and layer. A packed row with a dense
-  additive mask (eager, or a model the walk's attention function cannot run) computes every pair of its
-  ``tokens x (past + tokens)`` rectangle, masked or not; a block-sparse mask (flex attention's ``BlockMask``)
-  only the tiles that hold a visible pair, about what the tree needs plus a tile's width per row; attention
-  per segment (sdpa models, :mod:`~trl_dta.walk.attention.segment_attention`: ``per_segment``) the pairs the
-  tree needs: always on a GPU (torch's flash varlen kernel), and on a CPU where splitting the row pays
-  (:func:`per_segment_pays`; else the rectangle).
+* ``per_pair``: attention, ``12 x`` the query width per query-key pair and layer, for the pairs the walk's
+  attention kernel computes in a packed row (:meth:`~trl_dta.walk.attention.kernel.AttentionKernel.pairs`):
+  the model's own attention with a dense additive mask (eager) every pair of its ``tokens x (past + tokens)``
+  rectangle, masked or not (also the price of a call with no kernel given); flex attention's block-sparse
+  mask the tiles that hold a visible pair, about what the tree needs plus a tile's width per row; a flash
+  varlen kernel the pairs the tree needs; sdpa per segment those where splitting the row pays, else the
+  rectangle.
 
 Merging two calls saves one ``fixed`` and, with a dense mask, costs the pairs between them that the mask
 hides (per segment, nothing). A GPU's launches are expensive next to its FLOPs: it merges far more than a CPU
@@ -33,8 +33,12 @@ once the compute hides the launches, merging more only adds the masked pairs. Th
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from ...trie import TrieNode
+
+if TYPE_CHECKING:  # (annotations only)
+    from ..attention.kernel import AttentionKernel
 
 
 @dataclass(frozen=True)
@@ -69,17 +73,6 @@ def device_costs(device_type: str) -> DeviceCosts:
     return DEVICE_COSTS.get(device_type, DEVICE_COSTS["cuda"])
 
 
-TILE = 128  # flex attention's default block size: a block-sparse row computes up to a tile past what it needs
-
-
-def per_segment_pays(past: int, tokens: int, needed: int) -> bool:
-    """Whether a packed row of ``tokens`` on a past of ``past``, the tree needing ``needed`` of its pairs, is
-    attended per segment where the model can (:mod:`~trl_dta.walk.attention.segment_attention`): where that
-    computes at most half the row's rectangle. Closer to the rectangle, copying each segment's keys (the past,
-    its ancestors) costs about what the pairs it skips would."""
-    return 2 * needed <= tokens * (past + tokens)
-
-
 def needed_pairs(nodes) -> int:
     """Query-key pairs the tree needs for ``nodes`` (trie nodes, or segments with ``start``/``end``): each
     token attends every token before it on its path."""
@@ -94,23 +87,22 @@ def needed_pairs(nodes) -> int:
 class CallCost:
     """Seconds of one forward + backward call of a given model on a given device kind (module docstring).
 
-    ``overlap``: the device computes while the host launches (a GPU): a walk then takes about the larger of
-    its calls' summed ``fixed`` and summed compute (:meth:`walk`), not their sum. ``launch_price``: the
+    ``kernel``: the walk's attention kernel (resolved: :meth:`~trl_dta.walk.adapter.model.CausalLM.
+    walk_kernel`), which says the pairs a packed call computes (None: its rectangle). ``overlap``: the device
+    computes while the host launches (a GPU): a walk then takes about the larger of its calls' summed
+    ``fixed`` and summed compute (:meth:`walk`), not their sum. ``launch_price``: the
     weight of ``fixed`` against compute in the merge decisions of :meth:`row` and :meth:`padded` (1: their
     sum; :func:`trl_dta.walk.plan.build_plan` searches it where costs overlap)."""
 
     fixed: float
     per_token: float
     per_pair: float
-    block_sparse: bool = False
-    per_segment: bool = False
+    kernel: AttentionKernel | None = None
     overlap: bool = False
     launch_price: float = 1.0
 
     @classmethod
-    def for_model(
-        cls, config, device_type: str, block_sparse: bool = False, per_segment: bool = False
-    ) -> CallCost:
+    def for_model(cls, config, device_type: str, kernel: AttentionKernel | None = None) -> CallCost:
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
         device = device_costs(device_type)
         d, heads = config.hidden_size, getattr(config, "num_attention_heads", None) or 0  # (0: state models)
@@ -129,8 +121,7 @@ class CallCost:
             fixed=device.layer_call_s * layers,
             per_token=6 * params * layers / device.flop_rate,
             per_pair=12 * q * layers / device.flop_rate,
-            block_sparse=block_sparse,
-            per_segment=per_segment,
+            kernel=kernel,
             overlap=device.overlap,
         )
 
@@ -141,10 +132,8 @@ class CallCost:
     def row_pairs(self, past: int, tokens: int, needed: int) -> int:
         """The query-key pairs one packed call computes: ``tokens`` on a past of ``past`` tokens, the tree
         needing ``needed`` of them (the fitted model, :mod:`trl_dta.walk.cost.cost_fit`, counts the same)."""
-        if self.per_segment and (self.overlap or per_segment_pays(past, tokens, needed)):  # (a GPU: varlen)
-            return needed
-        pairs = needed + tokens * TILE if self.block_sparse else tokens * (past + tokens)
-        return min(pairs, tokens * (past + tokens))
+        rectangle = tokens * (past + tokens)
+        return rectangle if self.kernel is None else min(self.kernel.pairs(past, tokens, needed), rectangle)
 
     def row_compute(self, past: int, tokens: int, needed: int) -> float:
         """The device's seconds for one call forwarding ``tokens`` packed tokens on a past of ``past`` tokens,

@@ -13,7 +13,8 @@ log-softmax (and the entropy's, when it has a gradient) for every token, as if e
 upper bound for prompts the loss does not read. A call that attends per segment
 (:mod:`trl_dta.walk.attention.segment_attention`) through sdpa keeps a copy of every segment's keys (its
 path's K/V up to its end) for the backward: the plan counts them against the call's budget (``key_weight``);
-the flash kernel's path (CUDA) recomputes them in the backward instead. Under autocast over
+a flash varlen kernel (CUDA) recomputes them in the backward instead (what each kernel keeps:
+:meth:`~trl_dta.walk.attention.kernel.AttentionKernel.kept_bytes`). Under autocast over
 float32 weights (TRL's bf16 mixed precision), the residual stream stays float32 and each linear layer keeps
 its own low-precision copy of its input (``autocast``: 11 bytes per hidden unit and layer more, and a float32
 K, measured on CPU with ``SavedTensorMeter``), and autocast keeps a low-precision copy of every trainable
@@ -29,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from ..adapter.checks import check_count
+from ..attention.sdpa import SDPA_SEGMENTS
 from ..cost.costs import device_costs
 from ..heads import HEAD_ROWS, LogProbs
 from ..plan import Pop, Push, Step, capacity
@@ -207,37 +209,23 @@ class PlanPeak(NamedTuple):
     capacity: int
 
 
-def plan_peak(
-    plan: list[Step], config, per: ActivationBytes, scored_from, attention: str = "segments"
-) -> PlanPeak:
+def plan_peak(plan: list[Step], config, per: ActivationBytes, scored_from, kernel=SDPA_SEGMENTS) -> PlanPeak:
     """The activation memory a walk of ``plan`` peaks at, by ``per`` (:func:`activation_bytes`), step by
     step: each push kept with its graph adds its tokens to the stack until its pop; each call adds its own
     (and a push recomputed at pop, its tokens again) on top of the stack. ``scored_from``: per trie node, its
     first scored log-prob index (``trl_dta.walk.scoring.scored_from``'s second value; None: every token).
-    ``attention``: what a call's attention keeps, per attention path of
-    :mod:`trl_dta.walk.attention.segment_attention` (``"segments"``: the sdpa path, a packed row's gathered
-    keys, :attr:`ActivationBytes.key` per position;
-    ``"flash"``: the flash kernel, whose gathered keys are recomputed in the backward, nothing more;
-    ``"mask"``: the model's own sdpa with a mask, which repeats the K/V heads for grouped-query attention,
-    ``2 q`` values per position and layer, and keeps the mask; ``"flex"``: nothing more). Autocast's weight
-    copies are the caller's (:func:`autocast_copies`)."""
-
-    layers, e = config.num_hidden_layers, per.key / max(1, 2 * config.num_hidden_layers * _kv(config))
-    q, kv = config.num_attention_heads * _head_dim(config), _kv(config)
+    ``kernel``: the walk's attention kernel, which says what a call keeps beyond its tokens'
+    (:meth:`~trl_dta.walk.attention.kernel.AttentionKernel.kept_bytes`: sdpa per segment a packed row's
+    gathered keys, the model's own sdpa with a mask its repeated K/V heads and mask, a flash kernel nothing).
+    Autocast's weight copies are the caller's (:func:`autocast_copies`)."""
 
     def scored(s) -> int:
         first = 0 if scored_from is None else scored_from[s.node]
         return max(0, (s.end - 1) - max(s.start - 1, first, 0))
 
     def call(segments, row: bool) -> float:
-        tokens, past = sum(s.num_tokens for s in segments), segments[0].start
-        size = tokens * per.token + sum(scored(s) for s in segments) * per.scored
-        if attention == "segments" and len(segments) > 1:
-            size += per.key * sum(s.end for s in segments)
-        elif attention == "mask":
-            keys = past + tokens
-            size += (keys * 2 * q * e * layers if q != kv else 0) + tokens * keys * (e if row else 1)
-        return size
+        size = sum(s.num_tokens for s in segments) * per.token + sum(scored(s) for s in segments) * per.scored
+        return size + kernel.kept_bytes(segments, row, per, config)
 
     stack, best = [], 0.0
     for step in plan:
@@ -254,12 +242,3 @@ def plan_peak(
     positions = capacity(plan, True)
     head = per.transient * HEAD_ROWS
     return PlanPeak(best + positions * per.position + head, best, positions * per.position, head, positions)
-
-
-def _kv(config) -> int:
-    return (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * _head_dim(config)
-
-
-def _head_dim(config) -> int:
-    heads = config.num_attention_heads
-    return getattr(config, "head_dim", None) or config.hidden_size // heads
