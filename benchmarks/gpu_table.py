@@ -279,9 +279,9 @@ def summary(groups: list[tuple[Config, list[dict]]]) -> list[str]:
             continue
         text = f"- {config.label()}: walk {walk['time_s']:.3f} s, peak {walk['peak_gib']:.3g} GiB"
         how = walk.get("walk") or {}
-        if how:  # (its calls per step, and whether they attended per segment with the flash kernel)
-            flash = "flash" if any(how.get("flash_checks", {}).values()) else "no flash kernel"
-            text += f" ({how['calls_per_step']['forward']:g} calls, {how.get('attention')}, {flash})"
+        if how:  # (its calls per step, and the kernels that attended them: trl_dta/walk/attention/kernel.py)
+            ran = ", ".join(f"{k} {n:g}" for k, n in (how.get("attention_calls") or {}).items()) or "-"
+            text += f" ({how['calls_per_step']['forward']:g} calls per step; all rounds by kernel: {ran})"
         if walk.get("of_ideal") is not None:
             text += f", {walk['vs_ckpt']:.2f}x dense + ckpt = {walk['of_ideal']:.2f} of its dedup ratio"
         if pg.get("status") == "ok" and walk.get("peak_gib") and pg.get("peak_gib"):
