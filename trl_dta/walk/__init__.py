@@ -9,10 +9,10 @@ call's index tensors, copied once), ``path_kv.py`` (the path's K/V in one buffer
 (which positions get the output head, a sequence's outputs along the stack), ``heads.py`` (what a scored
 position gives: log-probs, values, or the hidden states for a loss that applies the output head itself),
 ``router.py`` (MoE router terms), ``call_checks.py`` and ``errors.py``. Then a folder per concern, each
-``__init__.py`` saying what is in it: ``attention/`` (how a call attends: the kernel interface, a kernel per
-file, a packed row's mask), ``memory/`` (budgets, the memory model, running out of memory, the peak), ``cost/``
-(what a call costs, fitted online), ``distributed/`` (FSDP2 and DeepSpeed), ``adapter/`` (the model
-adapter, its cache, what is refused, the construction probe).
+``__init__.py`` saying what is in it: ``attention/`` (how a call attends: the kernel interface, a kernel
+per file, a packed row's mask), ``memory/`` (budgets, the memory model, running out of memory, the peak),
+``cost/`` (what a call costs, fitted online), ``distributed/`` (FSDP2 and DeepSpeed), ``adapter/`` (the
+model adapter, its cache, what is refused, the construction probe).
 """
 
 from __future__ import annotations
