@@ -193,7 +193,10 @@ class CausalLM:
     def walk_kernel(self, dtype: torch.dtype | None = None) -> AttentionKernel:
         """The kernel the next walk's calls attend with: :attr:`kernel` resolved for the model's device, the
         attention dtype (``dtype``; None: autocast's where it is on, else the input embeddings') and its head
-        shape (:meth:`~trl_dta.walk.attention.kernel.AttentionKernel.resolve`)."""
+        shape (:meth:`~trl_dta.walk.attention.kernel.AttentionKernel.resolve`; the model's own attention:
+        itself, its config's shape not read, which some configs hold per layer)."""
+        if not self.kernel.per_segment:
+            return self.kernel
         if dtype is None:
             embeddings = self.decoder.get_input_embeddings()
             dtype = (self.lm_head if embeddings is None else embeddings).weight.dtype
