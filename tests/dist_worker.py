@@ -3,9 +3,12 @@
 Usage: torchrun --nproc_per_node 2 tests/dist_worker.py OUT_DIR MODEL_DIR LOSS_TYPE
 Saves this rank's per-step gradients (taken just before the optimizer step) to OUT_DIR/rank{RANK}.pt. With
 ``VALUE_MODEL=1`` in the environment, the tree trainer has a value model (warm-started from the policy, its
-head seeded) and the value model's gradients are saved too. ``DENSE_FALLBACK``: the tree trainer's
-``tree_dense_fallback`` (else the fixtures' "never"); each training step's decision is saved (this rank's
-prediction, the path taken).
+head seeded; ``VALUE_LORA=1``: a LoRA of it) and the value model's gradients are saved too, with the
+collectives of each of its walks; ``RESUME=1``: a checkpoint after step 1 that a new trainer resumes from,
+both runs' final parameters saved. ``DENSE_FALLBACK``: the tree trainer's ``tree_dense_fallback`` (else the
+fixtures' "never"); each training step's decision is saved (this rank's prediction, the path taken).
+``MODE``: ``ddp`` (the default), or ``fsdp2`` / ``fsdp2-per-layer`` (accelerate's FSDP2 preparation on CPU
+processes, trl_dta/testing/cpu_distributed.py: the policy and the value model sharded).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_dta import TreePPOConfig, TreePPOTrainer
+from trl_dta.testing.cpu_distributed import process_state, trainer_settings
 from trl_dta.testing.grpo import GradRecorder, ScriptedGenerationMixin, make_config, make_trainer
 from trl_dta.testing.torchrun import exit_worker
 
@@ -40,6 +44,81 @@ def unequal_dataset(num_prompts=4):
     return Dataset.from_dict({"prompt": prompts})
 
 
+GATHERS = ("all_gather_into_tensor", "all_gather_single")
+REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter_single")  # (FSDP2's gradients; not the all_reduces the
+# walk's ranks agree with)
+COUNTS: dict[str, int] = {}
+
+
+def _count_collectives() -> None:
+    """Count torch.distributed's gathers and reductions (FSDP2's among them) in :data:`COUNTS`."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in GATHERS + REDUCTIONS:
+        if hasattr(dist, name):
+            original = getattr(dist, name)
+
+            def counted(*args, _original=original, _name=name, **kwargs):
+                COUNTS[_name] = COUNTS.get(_name, 0) + 1
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, counted)
+            if hasattr(c10d, name):
+                setattr(c10d, name, counted)
+
+
+def _phases(critic, phases: list) -> None:
+    """Record the collectives of each of the value model's walks: ``(grad, gathers, reductions)``."""
+
+    def counted(method, grad):
+        def run(*args, **kwargs):
+            before = dict(COUNTS)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                delta = {k: v - before.get(k, 0) for k, v in COUNTS.items()}
+                phases.append(
+                    (grad, sum(delta.get(k, 0) for k in GATHERS), sum(delta.get(k, 0) for k in REDUCTIONS))
+                )
+
+        return run
+
+    critic.values, critic.backward = counted(critic.values, False), counted(critic.backward, True)
+
+
+def _critic(model_dir):
+    """A value model warm-started from the policy, its head seeded."""
+    from transformers import AutoModelForCausalLM
+
+    from trl_dta import value_model_from
+
+    critic = value_model_from(AutoModelForCausalLM.from_pretrained(model_dir))
+    with torch.no_grad():
+        critic.score.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(3))
+    if os.environ.get("VALUE_LORA") == "1":  # (its adapters drawn the same on every rank and run)
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(5)
+        lora = LoraConfig(task_type="TOKEN_CLS", r=4, lora_alpha=8, init_lora_weights=False,
+                          target_modules=["q_proj", "v_proj", "down_proj"])  # fmt: skip
+        critic = get_peft_model(critic, lora)
+    return critic
+
+
+def _whole(trainer) -> dict:
+    """The policy's and the value model's parameters, whole (FSDP2: from the shards), by name."""
+    models = {
+        "policy": trainer.accelerator.unwrap_model(trainer.model_wrapped),
+        "value": trainer._critic.model,
+    }
+    return {
+        f"{kind}.{n}": getattr(p, "full_tensor", p.detach)().detach().clone()
+        for kind, model in models.items()
+        for n, p in model.named_parameters()
+    }
+
+
 def main(out_dir, model_dir, loss_type, trainer="tree"):
     rank = int(os.environ.get("RANK", 0))
     tree = trainer == "tree"
@@ -60,32 +139,44 @@ def main(out_dir, model_dir, loss_type, trainer="tree"):
     batch["gradient_accumulation_steps"] = accumulation
     if os.environ.get("DENSE_FALLBACK"):  # (the fixtures pin "never")
         batch["tree_dense_fallback"] = os.environ["DENSE_FALLBACK"]
+    mode, resume = os.environ.get("MODE", "ddp"), os.environ.get("RESUME") == "1"
+    if resume:  # a checkpoint after step 1 (SGD with momentum: its state must be restored too)
+        batch |= {
+            "save_strategy": "steps",
+            "save_steps": 1,
+            "save_only_model": False,
+            "optim_args": "momentum=0.9",
+            "num_iterations": 1,  # (a step's generation not split across the checkpoint)
+        }
+    if mode != "ddp" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        process_state(mode)
+        batch |= trainer_settings(mode)
+        _count_collectives()
     recorder = GradRecorder()
     config = make_config(
-        os.path.join(out_dir, f"run{rank}"),
+        os.path.join(out_dir, "run" if resume else f"run{rank}"),  # (resume: one checkpoint for all ranks)
         config_cls=TreePPOConfig if tree else GRPOConfig,
         loss_type=loss_type,
         **({k: v for k, v in batch.items() if tree or not k.startswith("tree_")}),
     )
-    extra, value_grads, decisions = {}, [], []
+    extra, value_grads, decisions, phases = {}, [], [], []
     if os.environ.get("VALUE_MODEL") == "1":
-        from transformers import AutoModelForCausalLM
-
-        from trl_dta import value_model_from
-
-        critic = value_model_from(AutoModelForCausalLM.from_pretrained(model_dir))
-        with torch.no_grad():
-            critic.score.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(3))
-        extra["value_model"] = critic
+        extra["value_model"] = _critic(model_dir)
     t = make_trainer(cls, config, model=model_dir, callbacks=[recorder], dataset=unequal_dataset(), **extra)
     if extra:
         step = t._critic.step
 
         def recorded_step():
-            value_grads.append({n: p.grad.clone() for n, p in t._critic.model.named_parameters()})
+            model = t._critic.model  # (FSDP2: whole gradients, from the shards)
+            named = [
+                (n, p.grad) for n, p in model.named_parameters() if p.grad is not None
+            ]  # (LoRA: trained)
+            grads = {n: getattr(g, "full_tensor", g.detach)() for n, g in named}
+            value_grads.append({n: g.detach().clone() for n, g in grads.items()})
             return step()
 
         t._critic.step = recorded_step
+        _phases(t._critic, phases)
     if tree:  # each training step's decision: this rank's prediction and the path taken
         prefer_dense = t._walker.prefer_dense
 
@@ -98,7 +189,25 @@ def main(out_dir, model_dir, loss_type, trainer="tree"):
 
         t._walker.prefer_dense = recorded
     t.train()
-    saved = {"grads": recorder.grads, "rows": rows, "value_grads": value_grads, "decisions": decisions}
+    saved = {"grads": recorder.grads, "rows": rows, "value_grads": value_grads, "decisions": decisions,
+             "value_phases": phases}  # fmt: skip
+    if extra:
+        from trl_dta.walk.distributed.sharding import fsdp_units
+
+        critic = t._critic.model
+        saved["value_units"] = len([u for u in fsdp_units(critic) if any(True for _ in u.parameters())])
+        saved["value_dtensors"] = sum(type(p).__name__ == "DTensor" for p in critic.parameters())
+        saved["value_parameters"] = sum(1 for _ in critic.parameters())
+    if resume:  # the run resumed from its step-1 checkpoint, by a new trainer
+        saved["final"] = _whole(t)
+        if mode != "ddp" and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            process_state(mode)
+        config.output_dir = os.path.join(out_dir, "resumed")
+        again = make_trainer(
+            cls, config, model=model_dir, dataset=unequal_dataset(), value_model=_critic(model_dir)
+        )
+        again.train(resume_from_checkpoint=os.path.join(out_dir, "run", "checkpoint-1"))
+        saved["resumed"] = _whole(again)
     torch.save(saved, os.path.join(out_dir, f"{trainer}{rank}.pt"))
     exit_worker()  # (trl_dta/testing/torchrun.py)
 

@@ -19,10 +19,12 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 TOL = 1e-4
 
 
-def run(out, model_dir, loss_type, trainer, procs, accumulation=1, value_model=False, dense_fallback=""):
+def run(out, model_dir, loss_type, trainer, procs, accumulation=1, value_model=False, dense_fallback="",
+        mode="ddp", resume=False, value_lora=False):  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "REFERENCE_WORLD": "2", "PYTHONUNBUFFERED": "1",
            "GRAD_ACCUM": str(accumulation), "VALUE_MODEL": str(int(value_model)),
-           "DENSE_FALLBACK": dense_fallback}  # fmt: skip
+           "DENSE_FALLBACK": dense_fallback, "MODE": mode, "RESUME": str(int(resume)),
+           "VALUE_LORA": str(int(value_lora))}  # fmt: skip
     if procs == 1:
         cmd = [sys.executable, str(WORKER)]
     else:
@@ -51,18 +53,55 @@ def test_two_process_gradients_equal_stock_trl(tmp_path, model_dir, loss_type, r
         assert [r["rows"][0] for r in tree] == [8, 8]
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_two_process_value_model_equals_one_process(tmp_path, model_dir, loss_type):
-    """PPO with a value model under DDP: the re-partitioned rollouts, advantages whitened over both ranks,
-    the value loss averaged over both: the policy's and the value model's gradients equal one process with
-    the whole batch."""
-    two = run(tmp_path, model_dir, loss_type, "tree", 2, value_model=True)
+@pytest.mark.parametrize(
+    "loss_type,mode,accumulation",
+    [
+        ("grpo", "ddp", 1),
+        ("dapo", "ddp", 1),
+        pytest.param("grpo", "fsdp2", 2, marks=pytest.mark.slow),
+        pytest.param("dapo", "fsdp2-per-layer", 2, marks=pytest.mark.slow),
+        pytest.param("grpo", "fsdp2-lora", 2, marks=pytest.mark.slow),
+    ],
+)
+def test_two_process_value_model_equals_one_process(tmp_path, model_dir, loss_type, mode, accumulation):
+    """PPO with a value model under DDP, and with both models sharded by accelerate's FSDP2 (gathered once per
+    step, or per layer): the re-partitioned rollouts, advantages whitened over both ranks, the value loss
+    averaged over both: the policy's and the value model's gradients equal one process with the whole
+    batch."""
+    lora, mode = mode.endswith("-lora"), mode.removesuffix("-lora")  # (a LoRA value model)
+    two = run(tmp_path, model_dir, loss_type, "tree", 2, accumulation, True, mode=mode, value_lora=lora)
     (tmp_path / "one").mkdir()
-    (one,) = run(tmp_path / "one", model_dir, loss_type, "tree", 1, value_model=True)
+    (one,) = run(tmp_path / "one", model_dir, loss_type, "tree", 1, accumulation, True, value_lora=lora)
     for step in range(2):
         for rank in range(2):
             assert max_rel_diff(two[rank]["grads"][step], one["grads"][step]) <= TOL
             assert max_rel_diff(two[rank]["value_grads"][step], one["value_grads"][step]) <= TOL
+    if mode.startswith("fsdp2"):  # the value model sharded as the policy: every parameter a DTensor
+        for r in two:
+            assert r["value_dtensors"] == r["value_parameters"] and r["value_units"] >= 3
+            no_grad = [p for p in r["value_phases"] if not p[0]]
+            grad = [p for p in r["value_phases"] if p[0]]
+            assert no_grad and grad and all(reduced == 0 for _, _, reduced in no_grad)  # (values: none)
+            if mode == "fsdp2":  # gathered once per walk, reduced once per step: one per unit at most
+                assert all(0 < gathers <= r["value_units"] for _, gathers, _ in r["value_phases"])
+                assert len({reduced for _, _, reduced in grad}) == 1
+                assert all(0 < reduced <= r["value_units"] for _, _, reduced in grad)
+
+
+@pytest.mark.slow
+def test_a_run_saved_under_fsdp2_with_a_value_model_resumes_to_the_same_parameters(tmp_path, model_dir):
+    """Both models sharded: the step-1 checkpoint holds the policy's and the value model's weights and
+    optimizer states whole (momentum SGD), and a new trainer resumed from it ends where the run did."""
+    for r in run(tmp_path, model_dir, "grpo", "tree", 2, 2, value_model=True, mode="fsdp2", resume=True):
+        assert r["final"].keys() == r["resumed"].keys() and any(k.startswith("value.") for k in r["final"])
+        assert max_rel_diff(r["resumed"], r["final"]) == 0.0
+    saved = tmp_path / "run" / "checkpoint-1" / "value_model"
+    from transformers import AutoModelForTokenClassification
+
+    loaded = AutoModelForTokenClassification.from_pretrained(saved)  # (whole: a user loads it as it is)
+    at_step_1 = {f"value.{n}": p.detach() for n, p in loaded.named_parameters()}
+    final = {k: v for k, v in r["final"].items() if k.startswith("value.")}
+    assert at_step_1.keys() == final.keys() and max_rel_diff(final, at_step_1) > 1e-3  # (step 2 moved it)
 
 
 @pytest.mark.parametrize("mode", ["always", pytest.param("auto", marks=pytest.mark.slow)])

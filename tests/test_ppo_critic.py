@@ -272,9 +272,15 @@ def test_what_a_value_model_cannot_do_is_refused_when_the_trainer_is_built(tmp_p
 
     from trl_dta.train.critic.value_model import check_value_model
 
-    for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
-        with pytest.raises(ValueError, match="train with a value model on one process or under DDP"):
-            check_value_model("Qwen/Qwen3-0.6B", SimpleNamespace(distributed_type=kind))
+    with pytest.raises(
+        ValueError, match="not supported under DeepSpeed yet: train with a value model on one"
+    ):
+        check_value_model("Qwen/Qwen3-0.6B", SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
+    fsdp1 = SimpleNamespace(distributed_type=DistributedType.FSDP, state=SimpleNamespace(fsdp_plugin=None))
+    with pytest.raises(ValueError, match="needs FSDP2"):
+        check_value_model("Qwen/Qwen3-0.6B", fsdp1)
+    fsdp2 = SimpleNamespace(fsdp_plugin=SimpleNamespace(fsdp_version=2))
+    check_value_model("Qwen/Qwen3-0.6B", SimpleNamespace(distributed_type=DistributedType.FSDP, state=fsdp2))
     with pytest.raises(TypeError, match="value_model must be a Hub id or a path"):
         make_trainer(TreeScripted, make_config(tmp_path, TreePPOConfig), value_model=3)
     policy = tiny_model(tiny_tokenizer())

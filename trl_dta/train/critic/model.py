@@ -14,6 +14,7 @@ per token). Value ``t`` of a sequence is the head at position ``t``: the state b
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -76,6 +77,21 @@ def value_model_from(policy: str | nn.Module, **kwargs) -> nn.Module:
         for p in head.parameters():
             p.zero_()
     return critic
+
+
+def saved_weights(directory: str, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors ``save_pretrained`` wrote in ``directory`` for ``model`` (a PEFT model: its adapter's),
+    whole, on the CPU."""
+    from safetensors.torch import load_file
+
+    if hasattr(model, "get_base_model"):
+        return load_file(os.path.join(directory, "adapter_model.safetensors"))
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return {k: v for name in files for k, v in load_file(os.path.join(directory, name)).items()}
+    return load_file(os.path.join(directory, "model.safetensors"))
 
 
 def load_weights(model: nn.Module, directory: str) -> None:

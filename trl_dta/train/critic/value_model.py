@@ -37,8 +37,9 @@ from torch import nn
 
 from ..dense_fallback import refuse_always
 from ..step_results import StepSequence
+from . import sharded
 from .gae import Targets, clipped_value_loss, sequence_targets
-from .model import VALUE_MODEL_DIR, load_value_model, load_weights
+from .model import VALUE_MODEL_DIR, load_value_model, load_weights, saved_weights
 
 _OPTIMIZER, _SCHEDULER = "optimizer.pt", "scheduler.pt"
 
@@ -192,11 +193,14 @@ class ValueModel:
     # ------------------------------------------------------------------ optimizer and checkpoint
     def create_optimizer(self, trainer, num_training_steps: int) -> None:
         """The optimizer ``args.optim`` names (its betas, epsilon, weight decay; its parameter groups as the
-        Trainer makes them) at :attr:`learning_rate`, and the scheduler of ``lr_scheduler_type``."""
+        Trainer makes them) at :attr:`learning_rate`, and the scheduler of ``lr_scheduler_type``. Under FSDP2
+        the value model is sharded first, as the policy is (:mod:`~trl_dta.train.critic.sharded`)."""
         from transformers import Trainer, get_scheduler
 
         if self.optimizer is not None:
             return
+        if self.accelerator.distributed_type == DistributedType.FSDP and not sharded.is_sharded(self.model):
+            self.model = sharded.shard(self.model, self.accelerator)
         args = self.args
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, self.model)
         kwargs = {**kwargs, "lr": self.learning_rate}
@@ -224,35 +228,50 @@ class ValueModel:
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.max_grad_norm if self.max_grad_norm and self.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # (FSDP2: a DTensor)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(norm)
 
-    def save(self, output_dir: str, weights: bool = True, optimizer: bool = True) -> None:
+    def save(self, output_dir: str, weights: bool = True, optimizer: bool = True, write: bool = True) -> None:
         """In ``output_dir/value_model``: the value model's ``weights`` (``save_pretrained``: loadable by
-        ``from_pretrained``; a PEFT model's adapter) and its ``optimizer``'s and scheduler's states."""
-        directory = os.path.join(output_dir, VALUE_MODEL_DIR)
+        ``from_pretrained``; a PEFT model's adapter) and its ``optimizer``'s and scheduler's states, whole.
+        Every process calls it (a sharded model's are gathered); those with ``write`` write."""
+        directory, is_sharded = os.path.join(output_dir, VALUE_MODEL_DIR), sharded.is_sharded(self.model)
         if weights:
-            self.model.save_pretrained(directory)
+            state = sharded.full_state(self.model) if is_sharded else None
+            if write:
+                self.model.save_pretrained(directory, state_dict=state)
         if optimizer and self.optimizer is not None:
-            os.makedirs(directory, exist_ok=True)
-            torch.save(self.optimizer.state_dict(), os.path.join(directory, _OPTIMIZER))
-            torch.save(self.scheduler.state_dict(), os.path.join(directory, _SCHEDULER))
+            state = self.optimizer.state_dict()
+            if is_sharded:
+                state = sharded.full_optimizer_state(self.model, self.optimizer)
+            if write:
+                os.makedirs(directory, exist_ok=True)
+                torch.save(state, os.path.join(directory, _OPTIMIZER))
+                torch.save(self.scheduler.state_dict(), os.path.join(directory, _SCHEDULER))
 
     def load(self, checkpoint: str) -> None:
-        """Restore what :meth:`save` wrote in ``checkpoint``: weights, then optimizer and scheduler states."""
+        """Restore what :meth:`save` wrote in ``checkpoint``: weights, then optimizer and scheduler states
+        (every process reads them; a sharded model keeps its shards)."""
         directory = os.path.join(checkpoint, VALUE_MODEL_DIR)
         if not os.path.isdir(directory):
             raise FileNotFoundError(
                 f"{checkpoint} has no {VALUE_MODEL_DIR}/: it was not saved by a trainer with a value model."
             )
-        load_weights(self.model, directory)
+        is_sharded = sharded.is_sharded(self.model)
+        if is_sharded:
+            sharded.load_state(self.model, saved_weights(directory, self.model))
+        else:
+            load_weights(self.model, directory)
         if self.optimizer is not None and os.path.exists(os.path.join(directory, _OPTIMIZER)):
-            device = next(self.model.parameters()).device
-            self.optimizer.load_state_dict(
-                torch.load(os.path.join(directory, _OPTIMIZER), map_location=device, weights_only=True)
-            )
+            device = "cpu" if is_sharded else next(self.model.parameters()).device
+            state = torch.load(os.path.join(directory, _OPTIMIZER), map_location=device, weights_only=True)
+            if is_sharded:
+                sharded.load_optimizer_state(self.model, self.optimizer, state)
+            else:
+                self.optimizer.load_state_dict(state)
             self.scheduler.load_state_dict(torch.load(os.path.join(directory, _SCHEDULER), weights_only=True))
 
 
@@ -272,13 +291,14 @@ class ValueModelCheckpoints:
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         super().save_model(output_dir, _internal_call)
-        if self._critic is not None and self.args.should_save:
-            self._critic.save(output_dir or self.args.output_dir, optimizer=False)
+        if self._critic is not None:  # (every process: a sharded value model is gathered)
+            directory = output_dir or self.args.output_dir
+            self._critic.save(directory, optimizer=False, write=self.args.should_save)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self._critic is not None and self.args.should_save:
-            self._critic.save(output_dir, weights=False)  # (save_model wrote its weights)
+        if self._critic is not None:  # (save_model wrote its weights)
+            self._critic.save(output_dir, weights=False, write=self.args.should_save)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
@@ -287,10 +307,10 @@ class ValueModelCheckpoints:
 
 
 def check_value_model(value_model, accelerator) -> None:
-    """A value model (``value_model=``) is a Hub id or path, or a module; it trains on one process and under
-    DDP. FSDP and DeepSpeed are refused: the value model's parameters would need their own sharded
-    preparation (accelerate prepares one DeepSpeed engine per model) and its checkpoint a sharded save,
-    which the trainer does not do yet."""
+    """A value model (``value_model=``) is a Hub id or path, or a module; it trains on one process, under DDP
+    and under FSDP2 (sharded as the policy: :mod:`~trl_dta.train.critic.sharded`). DeepSpeed is refused: it
+    would need an engine of its own (accelerate prepares one DeepSpeed engine per model), which the trainer
+    does not build yet; FSDP1 as for the policy."""
     if not isinstance(value_model, str | nn.Module):
         raise TypeError(
             f"value_model must be a Hub id or a path, or a *ForTokenClassification module (num_labels=1), "
@@ -308,9 +328,14 @@ def check_value_model(value_model, accelerator) -> None:
                 "is added)."
             )
     kind = accelerator.distributed_type
-    if kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
+    if kind == DistributedType.DEEPSPEED:
         raise ValueError(
-            f"a value model is not supported under {kind.value} yet: train with a value model on one process "
-            "or under DDP (recipes/accelerate_configs/multi_gpu.yaml, multi_cpu.yaml); FSDP2 and DeepSpeed "
-            'train the policy alone (docs/ppo-critic.md, "What is refused").'
+            "a value model is not supported under DeepSpeed yet: train with a value model on one process, "
+            "under DDP or under FSDP2 (recipes/accelerate_configs/multi_gpu.yaml, fsdp2.yaml); DeepSpeed "
+            'trains the policy alone (docs/ppo-critic.md, "What is refused").'
+        )
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if kind == DistributedType.FSDP and getattr(plugin, "fsdp_version", 1) != 2:
+        raise ValueError(
+            "a value model under FSDP needs FSDP2 (accelerate: fsdp_version: 2), as the policy's walk does."
         )
