@@ -13,6 +13,7 @@ processes, trl_dta/testing/cpu_distributed.py: the policy and the value model sh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -94,7 +95,12 @@ def _critic(model_dir):
     from trl_dta import value_model_from
 
     critic = value_model_from(AutoModelForCausalLM.from_pretrained(model_dir))
-    with torch.no_grad():
+    whole = contextlib.nullcontext()
+    if hasattr(critic.score.weight, "ds_id"):  # (ZeRO-3: built under zero.Init, partitioned)
+        import deepspeed
+
+        whole = deepspeed.zero.GatheredParameters([critic.score.weight], modifier_rank=0)
+    with torch.no_grad(), whole:
         critic.score.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(3))
     if os.environ.get("VALUE_LORA") == "1":  # (its adapters drawn the same on every rank and run)
         from peft import LoraConfig, get_peft_model
@@ -107,16 +113,20 @@ def _critic(model_dir):
 
 
 def _whole(trainer) -> dict:
-    """The policy's and the value model's parameters, whole (FSDP2: from the shards), by name."""
-    models = {
-        "policy": trainer.accelerator.unwrap_model(trainer.model_wrapped),
-        "value": trainer._critic.model,
-    }
-    return {
-        f"{kind}.{n}": getattr(p, "full_tensor", p.detach)().detach().clone()
-        for kind, model in models.items()
-        for n, p in model.named_parameters()
-    }
+    """The policy's and the value model's parameters, whole (FSDP2: from the shards; ZeRO-3: gathered), by
+    name."""
+    policy = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    out = {}
+    for kind, model in {"policy": policy, "value": trainer._critic.model}.items():
+        params = list(model.named_parameters())
+        gathered = contextlib.nullcontext()
+        if any(hasattr(p, "ds_id") for _, p in params):
+            import deepspeed
+
+            gathered = deepspeed.zero.GatheredParameters([p for _, p in params])
+        with gathered:
+            out |= {f"{kind}.{n}": getattr(p, "full_tensor", p.detach)().detach().clone() for n, p in params}
+    return out
 
 
 def main(out_dir, model_dir, loss_type, trainer="tree"):
@@ -188,6 +198,7 @@ def main(out_dir, model_dir, loss_type, trainer="tree"):
             return dense
 
         t._walker.prefer_dense = recorded
+    initial = _whole(t) if extra and os.environ.get("FINAL") == "1" else None
     t.train()
     saved = {"grads": recorder.grads, "rows": rows, "value_grads": value_grads, "decisions": decisions,
              "value_phases": phases}  # fmt: skip
@@ -198,6 +209,10 @@ def main(out_dir, model_dir, loss_type, trainer="tree"):
         saved["value_units"] = len([u for u in fsdp_units(critic) if any(True for _ in u.parameters())])
         saved["value_dtensors"] = sum(type(p).__name__ == "DTensor" for p in critic.parameters())
         saved["value_parameters"] = sum(1 for _ in critic.parameters())
+    if initial is not None:  # (the parameters' updates, where gradients are not left in .grad: DeepSpeed)
+        saved["updates"] = {n: p - initial[n] for n, p in _whole(t).items()}
+        saved["value_engine"] = type(t._critic.engine).__name__  # (DeepSpeed: its own engine)
+        saved["value_zero3"] = sum(hasattr(p, "ds_id") for p in t._critic.model.parameters())
     if resume:  # the run resumed from its step-1 checkpoint, by a new trainer
         saved["final"] = _whole(t)
         if mode != "ddp" and int(os.environ.get("WORLD_SIZE", 1)) > 1:

@@ -20,11 +20,11 @@ TOL = 1e-4
 
 
 def run(out, model_dir, loss_type, trainer, procs, accumulation=1, value_model=False, dense_fallback="",
-        mode="ddp", resume=False, value_lora=False):  # fmt: skip
+        mode="ddp", resume=False, value_lora=False, final=False):  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "REFERENCE_WORLD": "2", "PYTHONUNBUFFERED": "1",
            "GRAD_ACCUM": str(accumulation), "VALUE_MODEL": str(int(value_model)),
            "DENSE_FALLBACK": dense_fallback, "MODE": mode, "RESUME": str(int(resume)),
-           "VALUE_LORA": str(int(value_lora))}  # fmt: skip
+           "VALUE_LORA": str(int(value_lora)), "FINAL": str(int(final))}  # fmt: skip
     if procs == 1:
         cmd = [sys.executable, str(WORKER)]
     else:
@@ -89,10 +89,27 @@ def test_two_process_value_model_equals_one_process(tmp_path, model_dir, loss_ty
 
 
 @pytest.mark.slow
-def test_a_run_saved_under_fsdp2_with_a_value_model_resumes_to_the_same_parameters(tmp_path, model_dir):
-    """Both models sharded: the step-1 checkpoint holds the policy's and the value model's weights and
-    optimizer states whole (momentum SGD), and a new trainer resumed from it ends where the run did."""
-    for r in run(tmp_path, model_dir, "grpo", "tree", 2, 2, value_model=True, mode="fsdp2", resume=True):
+@pytest.mark.parametrize("mode", ["zero2", "zero3"])
+def test_a_value_model_under_deepspeed_trains_as_on_one_process(tmp_path, model_dir, mode):
+    """DeepSpeed ZeRO-2 and ZeRO-3 (the policy accelerate's engine, the value model an engine of its own): two
+    processes update both models as one process does with the whole batch (gradient accumulation 2)."""
+    two = run(tmp_path, model_dir, "grpo", "tree", 2, 2, True, mode=mode, final=True)
+    (tmp_path / "one").mkdir()
+    (one,) = run(tmp_path / "one", model_dir, "grpo", "tree", 1, 2, True, final=True)
+    for r in two:
+        assert r["value_engine"] == "DeepSpeedEngine" and (r["value_zero3"] > 0) == (mode == "zero3")
+        value = {n: u for n, u in r["updates"].items() if n.startswith("value.")}
+        assert value and max(u.abs().max() for u in value.values()) > 0  # (the value model trained)
+        assert max_rel_diff(r["updates"], one["updates"]) <= TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fsdp2", "zero3"])
+def test_a_sharded_run_with_a_value_model_resumes_to_the_same_parameters(tmp_path, model_dir, mode):
+    """Both models sharded (FSDP2; ZeRO-3, the value model's own engine): the step-1 checkpoint holds the
+    value model's weights whole and its optimizer's state (momentum SGD: whole under FSDP2, the engine's
+    partitions under ZeRO-3), and a new trainer resumed from it ends where the run did."""
+    for r in run(tmp_path, model_dir, "grpo", "tree", 2, 2, value_model=True, mode=mode, resume=True):
         assert r["final"].keys() == r["resumed"].keys() and any(k.startswith("value.") for k in r["final"])
         assert max_rel_diff(r["resumed"], r["final"]) == 0.0
     saved = tmp_path / "run" / "checkpoint-1" / "value_model"

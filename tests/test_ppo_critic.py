@@ -272,10 +272,6 @@ def test_what_a_value_model_cannot_do_is_refused_when_the_trainer_is_built(tmp_p
 
     from trl_dta.train.critic.value_model import check_value_model
 
-    with pytest.raises(
-        ValueError, match="not supported under DeepSpeed yet: train with a value model on one"
-    ):
-        check_value_model("Qwen/Qwen3-0.6B", SimpleNamespace(distributed_type=DistributedType.DEEPSPEED))
     fsdp1 = SimpleNamespace(distributed_type=DistributedType.FSDP, state=SimpleNamespace(fsdp_plugin=None))
     with pytest.raises(ValueError, match="needs FSDP2"):
         check_value_model("Qwen/Qwen3-0.6B", fsdp1)

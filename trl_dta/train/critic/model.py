@@ -14,6 +14,7 @@ per token). Value ``t`` of a sequence is the head at position ``t``: the state b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -40,9 +41,7 @@ def load_value_model(name: str, **kwargs) -> nn.Module:
     head, _ = output_head(model)
     names = [n for n, p in model.named_parameters() if any(p is q for q in head.parameters())]
     if any(n in info["missing_keys"] for n in names):
-        with torch.no_grad():
-            for p in head.parameters():
-                p.zero_()
+        _zero_head(model)
     return model
 
 
@@ -58,7 +57,8 @@ def value_model_from(policy: str | nn.Module, **kwargs) -> nn.Module:
     Args:
         policy: a Hub id or a path (then ``from_pretrained`` with ``kwargs``, as :func:`load_value_model`;
             passing the id as ``value_model=`` does the same), or a ``transformers`` causal LM (its decoder's
-            weights copied, same dtype and device; ``kwargs`` go to ``from_config``).
+            weights copied, same dtype and device; ``kwargs`` go to ``from_config``). Under a DeepSpeed ZeRO-3
+            config the two models' parameters are partitioned (``zero.Init``): they are gathered to copy.
     """
     if isinstance(policy, str):
         return load_value_model(policy, **kwargs)
@@ -70,13 +70,37 @@ def value_model_from(policy: str | nn.Module, **kwargs) -> nn.Module:
     config.num_labels = 1
     kwargs.setdefault("attn_implementation", policy.config._attn_implementation)
     critic = AutoModelForTokenClassification.from_config(config, **kwargs)
-    critic.to(dtype=policy.dtype, device=policy.device)
-    critic.base_model.load_state_dict(policy.base_model.state_dict())
-    head, _ = output_head(critic)
-    with torch.no_grad():
+    if not _partitioned(critic.parameters()):  # (ZeRO-3's zero.Init placed its partitions already)
+        critic.to(dtype=policy.dtype, device=policy.device)
+    with _whole(policy.base_model.parameters()):
+        state = {k: v.detach().clone() for k, v in policy.base_model.state_dict().items()}
+    with _whole(critic.base_model.parameters(), write=True):
+        critic.base_model.load_state_dict(state)
+    _zero_head(critic)
+    return critic
+
+
+def _partitioned(params) -> bool:
+    """Whether parameters are partitioned by DeepSpeed ZeRO-3 (built under ``zero.Init``: a model loaded
+    after a ZeRO-3 config was created)."""
+    return any(hasattr(p, "ds_id") for p in params)
+
+
+def _whole(params, write: bool = False):
+    """Within: ``params`` whole (ZeRO-3: gathered; ``write``: what the main process writes is kept)."""
+    params = list(params)
+    if not _partitioned(params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0 if write else None)
+
+
+def _zero_head(model: nn.Module) -> None:
+    head, _ = output_head(model)
+    with torch.no_grad(), _whole(head.parameters(), write=True):
         for p in head.parameters():
             p.zero_()
-    return critic
 
 
 def saved_weights(directory: str, model: nn.Module) -> dict[str, torch.Tensor]:

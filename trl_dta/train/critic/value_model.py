@@ -37,6 +37,7 @@ from torch import nn
 
 from ..dense_fallback import refuse_always
 from ..step_results import StepSequence
+from . import engine as deepspeed_engine
 from . import sharded
 from .gae import Targets, clipped_value_loss, sequence_targets
 from .model import VALUE_MODEL_DIR, load_value_model, load_weights, saved_weights
@@ -103,16 +104,20 @@ class ValueModel:
             kwargs.setdefault("trust_remote_code", args.trust_remote_code)
             kwargs["device_map"] = None  # (placed on the trainer's device below)
             value_model = load_value_model(value_model, **kwargs)
-        self.model = value_model.to(accelerator.device).train()  # (the mode the Trainer gives the policy)
+        if not any(hasattr(p, "ds_id") for p in value_model.parameters()):  # (ZeRO-3: placed by zero.Init)
+            value_model = value_model.to(accelerator.device)
+        self.model = value_model.train()  # (the mode the Trainer gives the policy)
         self.args, self.accelerator, self.walker = args, accelerator, walker
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
+        self.engine = None  # DeepSpeed: the value model's own engine (critic/engine.py)
         if accelerator.num_processes > 1:  # (every rank starts from the same weights)
             import torch.distributed as dist
 
-            with torch.no_grad():
+            with torch.no_grad():  # (ZeRO-3 partitions: each rank's own, as loaded: not broadcast)
                 for tensor in [*self.model.parameters(), *self.model.buffers()]:
-                    dist.broadcast(tensor.data, src=0)
+                    if not hasattr(tensor, "ds_id"):
+                        dist.broadcast(tensor.data, src=0)
         lr, clip = args.value_learning_rate, args.value_max_grad_norm
         self.learning_rate = args.learning_rate if lr is None else lr
         self.max_grad_norm = args.max_grad_norm if clip is None else clip
@@ -194,7 +199,8 @@ class ValueModel:
     def create_optimizer(self, trainer, num_training_steps: int) -> None:
         """The optimizer ``args.optim`` names (its betas, epsilon, weight decay; its parameter groups as the
         Trainer makes them) at :attr:`learning_rate`, and the scheduler of ``lr_scheduler_type``. Under FSDP2
-        the value model is sharded first, as the policy is (:mod:`~trl_dta.train.critic.sharded`)."""
+        the value model is sharded first, as the policy is (:mod:`~trl_dta.train.critic.sharded`); under
+        DeepSpeed they become an engine of its own (:mod:`~trl_dta.train.critic.engine`)."""
         from transformers import Trainer, get_scheduler
 
         if self.optimizer is not None:
@@ -218,6 +224,10 @@ class ValueModel:
             num_training_steps=num_training_steps,
             scheduler_specific_kwargs=args.lr_scheduler_kwargs,
         )
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            self.engine, self.optimizer, self.scheduler = deepspeed_engine.initialize(
+                self.model, self.optimizer, self.scheduler, self.accelerator, self.max_grad_norm
+            )
 
     def step(self) -> float:
         """One optimizer step on the gradients the step's walk left (averaged over processes): clipped to
@@ -225,6 +235,8 @@ class ValueModel:
         the gradient norm before clipping."""
         if self.optimizer is None:
             raise RuntimeError("the value model's optimizer is built with the policy's (Trainer.train()).")
+        if self.engine is not None:  # (its walk flushed the reduction: the engine clips and steps)
+            return deepspeed_engine.step(self.engine)
         params = [p for p in self.model.parameters() if p.requires_grad]
         clip = self.max_grad_norm if self.max_grad_norm and self.max_grad_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, clip)
@@ -241,9 +253,13 @@ class ValueModel:
         directory, is_sharded = os.path.join(output_dir, VALUE_MODEL_DIR), sharded.is_sharded(self.model)
         if weights:
             state = sharded.full_state(self.model) if is_sharded else None
+            if self.engine is not None:
+                state = deepspeed_engine.full_state(self.model)
             if write:
                 self.model.save_pretrained(directory, state_dict=state)
-        if optimizer and self.optimizer is not None:
+        if optimizer and self.engine is not None:  # (every rank its partitions)
+            deepspeed_engine.save_states(self.engine, directory)
+        elif optimizer and self.optimizer is not None:
             state = self.optimizer.state_dict()
             if is_sharded:
                 state = sharded.full_optimizer_state(self.model, self.optimizer)
@@ -260,6 +276,9 @@ class ValueModel:
             raise FileNotFoundError(
                 f"{checkpoint} has no {VALUE_MODEL_DIR}/: it was not saved by a trainer with a value model."
             )
+        if self.engine is not None:  # (weights, optimizer partitions, scheduler)
+            deepspeed_engine.load_states(self.engine, directory)
+            return
         is_sharded = sharded.is_sharded(self.model)
         if is_sharded:
             sharded.load_state(self.model, saved_weights(directory, self.model))
@@ -307,10 +326,9 @@ class ValueModelCheckpoints:
 
 
 def check_value_model(value_model, accelerator) -> None:
-    """A value model (``value_model=``) is a Hub id or path, or a module; it trains on one process, under DDP
-    and under FSDP2 (sharded as the policy: :mod:`~trl_dta.train.critic.sharded`). DeepSpeed is refused: it
-    would need an engine of its own (accelerate prepares one DeepSpeed engine per model), which the trainer
-    does not build yet; FSDP1 as for the policy."""
+    """A value model (``value_model=``) is a Hub id or path, or a module; it trains on one process, under DDP,
+    under FSDP2 (sharded as the policy: :mod:`~trl_dta.train.critic.sharded`) and under DeepSpeed ZeRO-2/3
+    (an engine of its own: :mod:`~trl_dta.train.critic.engine`); FSDP1 is refused as for the policy."""
     if not isinstance(value_model, str | nn.Module):
         raise TypeError(
             f"value_model must be a Hub id or a path, or a *ForTokenClassification module (num_labels=1), "
@@ -328,12 +346,6 @@ def check_value_model(value_model, accelerator) -> None:
                 "is added)."
             )
     kind = accelerator.distributed_type
-    if kind == DistributedType.DEEPSPEED:
-        raise ValueError(
-            "a value model is not supported under DeepSpeed yet: train with a value model on one process, "
-            "under DDP or under FSDP2 (recipes/accelerate_configs/multi_gpu.yaml, fsdp2.yaml); DeepSpeed "
-            'trains the policy alone (docs/ppo-critic.md, "What is refused").'
-        )
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if kind == DistributedType.FSDP and getattr(plugin, "fsdp_version", 1) != 2:
         raise ValueError(
