@@ -48,6 +48,9 @@ def unequal_dataset(num_prompts=4):
 GATHERS = ("all_gather_into_tensor", "all_gather_single")
 REDUCTIONS = ("reduce_scatter_tensor", "reduce_scatter_single")  # (FSDP2's gradients; not the all_reduces the
 # walk's ranks agree with)
+# DeepSpeed's own communication backend (which calls torch.distributed's functions it looked up before)
+DS_GATHERS = ("all_gather_into_tensor", "all_gather", "all_gather_base", "all_gather_coalesced")
+DS_REDUCTIONS = ("all_reduce", "all_reduce_coalesced", "reduce", "reduce_scatter", "reduce_scatter_tensor")
 COUNTS: dict[str, int] = {}
 
 
@@ -67,6 +70,18 @@ def _count_collectives() -> None:
             setattr(dist, name, counted)
             if hasattr(c10d, name):
                 setattr(c10d, name, counted)
+    try:
+        from deepspeed.comm.torch import TorchBackend
+    except ImportError:  # pragma: no cover - the deepspeed extra
+        return
+    for name in DS_GATHERS + DS_REDUCTIONS:
+        original = getattr(TorchBackend, name)
+
+        def counted(*args, _original=original, _name=f"deepspeed.{name}", **kwargs):
+            COUNTS[_name] = COUNTS.get(_name, 0) + 1
+            return _original(*args, **kwargs)
+
+        setattr(TorchBackend, name, counted)
 
 
 def _phases(critic, phases: list) -> None:
@@ -79,8 +94,14 @@ def _phases(critic, phases: list) -> None:
                 return method(*args, **kwargs)
             finally:
                 delta = {k: v - before.get(k, 0) for k, v in COUNTS.items()}
+                if any(k.startswith("deepspeed.") for k in COUNTS):  # (DeepSpeed's: its backend's calls)
+                    gathers, reductions = (
+                        tuple(f"deepspeed.{n}" for n in ns) for ns in (DS_GATHERS, DS_REDUCTIONS)
+                    )
+                else:
+                    gathers, reductions = GATHERS, REDUCTIONS
                 phases.append(
-                    (grad, sum(delta.get(k, 0) for k in GATHERS), sum(delta.get(k, 0) for k in REDUCTIONS))
+                    (grad, *(sum(delta.get(k, 0) for k in names) for names in (gathers, reductions)))
                 )
 
         return run
@@ -162,6 +183,8 @@ def main(out_dir, model_dir, loss_type, trainer="tree"):
         process_state(mode)
         batch |= trainer_settings(mode)
         _count_collectives()
+    if tree and os.environ.get("VALUE_MODEL") == "1":
+        batch["lam"] = 0.95  # (GAE with lambda < 1; the value loss clipped at cliprange_value's 0.2)
     recorder = GradRecorder()
     config = make_config(
         os.path.join(out_dir, "run" if resume else f"run{rank}"),  # (resume: one checkpoint for all ranks)

@@ -98,6 +98,11 @@ def test_a_value_model_under_deepspeed_trains_as_on_one_process(tmp_path, model_
     (one,) = run(tmp_path / "one", model_dir, "grpo", "tree", 1, 2, True, final=True)
     for r in two:
         assert r["value_engine"] == "DeepSpeedEngine" and (r["value_zero3"] > 0) == (mode == "zero3")
+        # its collectives per walk: ZeRO-3 gathers each parameter once (ZeRO-2 none); its gradient walk
+        # flushes once (the tiny model: one bucket, one reduction), its no-gradient walk reduces nothing
+        params = r["value_zero3"]
+        assert all(gathers == params for _, gathers, _ in r["value_phases"])
+        assert sorted({(grad, reduced) for grad, _, reduced in r["value_phases"]}) == [(False, 0), (True, 1)]
         value = {n: u for n, u in r["updates"].items() if n.startswith("value.")}
         assert value and max(u.abs().max() for u in value.values()) > 0  # (the value model trained)
         assert max_rel_diff(r["updates"], one["updates"]) <= TOL
