@@ -1,12 +1,13 @@
 """One rank of a two-process AsyncTreePPOTrainer run (torchrun, gloo, CPU), launched by :func:`launch` for
 tests/test_async_trainer.py (TRL's coupled objective), tests/test_async_decoupled.py (the decoupled one) and
-tests/test_async_value_model.py (the decoupled one with a value model).
+tests/test_async_value_model.py (the decoupled one with a value model; also under FSDP2).
 
 Usage: torchrun --nproc_per_node 2 tests/async_dist_worker.py OUT_DIR MODEL_DIR [MODE]
 MODE (:data:`MODES`): ``coupled`` (the default), ``coupled-dense`` (``tree_dense_fallback="always"``),
 ``decoupled``, ``decoupled-value``, ``decoupled-value-minibatches`` (``ppo_n_minibatches=STEPS``) or
 ``decoupled-value-minibatches-idle`` (the same with a rank that has nothing to train in the second step:
-:func:`idle_rank_rollouts`).
+:func:`idle_rank_rollouts`); a mode with ``-fsdp2`` appended runs the same under accelerate's FSDP2 on CPU
+processes (trl_dta/testing/cpu_distributed.py: the policy and the value model sharded).
 Trains STEPS optimizer steps of SGD on the rollouts of :func:`distributed_rollouts` (fed by a queue worker on
 the main process, weight sync a no-op) and saves this rank's parameters (and its value model's) to
 OUT_DIR/rank{RANK}.pt. :func:`make_trainer` builds the same run for any number of processes, so a test can
@@ -74,9 +75,18 @@ def make_critic(model_dir):
 def make_trainer(out_dir: str, model_dir: str, mode: str, processes: int) -> AsyncTreePPOTrainer:
     """The run of ``mode`` on ``processes`` processes: every micro-batch holds ``PER_RANK * RANKS`` samples
     whatever the process count, so runs on one and on two processes train the same micro-batches."""
+    sharded = {}
+    if mode.endswith("-fsdp2"):
+        mode = mode.removesuffix("-fsdp2")
+        if processes > 1:  # (one process: the plain reference)
+            from trl_dta.testing.cpu_distributed import process_state, trainer_settings
+
+            process_state("fsdp2")
+            sharded = trainer_settings("fsdp2")
     args = AsyncTreePPOConfig(
         output_dir=out_dir, per_device_train_batch_size=PER_RANK * RANKS // processes,
-        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, bf16=False, use_cpu=True, optim="sgd",
+        gradient_accumulation_steps=ACCUMULATION, max_steps=STEPS, bf16=False, optim="sgd",
+        **({"use_cpu": True} | sharded),
         learning_rate=LR, max_grad_norm=0.0, report_to=[], save_strategy="no", logging_steps=1,
         epsilon=EPSILON, epsilon_high=EPSILON_HIGH, temperature=TEMPERATURE, max_staleness=3,
         **{"tree_dense_fallback": "never", **MODES[mode]},  # (one process walks too, as two do)
@@ -95,14 +105,20 @@ def make_trainer(out_dir: str, model_dir: str, mode: str, processes: int) -> Asy
 def trained_state(trainer: AsyncTreePPOTrainer) -> dict:
     """The policy's parameters, the value model's (if any) and the log history, on the CPU."""
 
-    def state(model) -> dict:
-        return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    def state(model) -> dict:  # (FSDP2: whole, from the shards)
+        params = model.named_parameters()
+        return {n: getattr(p, "full_tensor", p.detach)().detach().cpu().clone() for n, p in params}
 
     critic = trainer._critic.model if trainer._critic is not None else None
+
+    def sharded(model) -> bool:
+        return model is not None and all(type(p).__name__ == "DTensor" for p in model.parameters())
+
     return {
         "params": state(trainer.model),
         "critic": {} if critic is None else state(critic),
         "logs": trainer.state.log_history,
+        "sharded": (sharded(trainer.model), sharded(critic)),
     }
 
 

@@ -117,7 +117,13 @@ def test_train_with_a_value_model_completes_and_saves_it(model_dir, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "mode", ["decoupled-value", "decoupled-value-minibatches", "decoupled-value-minibatches-idle"]
+    "mode",
+    [
+        "decoupled-value",
+        "decoupled-value-minibatches",
+        "decoupled-value-minibatches-idle",
+        "decoupled-value-fsdp2",
+    ],
 )
 def test_two_processes_with_a_value_model_equal_one(model_dir, tmp_path, mode):
     """Two DDP processes (torchrun, gloo), the decoupled objective and a value model: GAE's whitening over
@@ -142,7 +148,9 @@ def test_two_processes_with_a_value_model_equal_one(model_dir, tmp_path, mode):
     for key in ("value/loss", "decoupled/imp_weight_mean"):
         assert len([log for log in ranks[0]["logs"] if key in log]) == dist.STEPS, key
     passes = [log for log in ranks[0]["logs"] if "proximal_tree/time_s" in log]
-    assert len(passes) == (0 if mode == "decoupled-value" else 1)
+    assert len(passes) == (0 if mode.removesuffix("-fsdp2") == "decoupled-value" else 1)
+    if mode.endswith("-fsdp2"):  # (both models sharded: every parameter a DTensor)
+        assert all(rank["sharded"] == (True, True) for rank in ranks)
     if mode.endswith("-idle"):  # (the case is what it says: the last rank trained nothing in step 2)
         assert ranks[-1]["trained_samples"][1] == 0 and ranks[0]["trained_samples"][1] > 0
 

@@ -73,7 +73,10 @@ class DenseCheck:
 
 
 class NoWeightTransfer:
-    """TRL's ``WeightTransferProtocol``, doing nothing (no server to sync). Counts the syncs."""
+    """TRL's ``WeightTransferProtocol``, sending nothing (no server to sync). Counts the syncs. It reads the
+    weights' iterator to its end, as a real transfer does: under FSDP2 each weight is gathered from every rank
+    (``full_tensor``), and the other ranks gather them too (TRL's weight sync), so an iterator left unread
+    would leave their gathers unmatched."""
 
     def __init__(self):
         self.syncs = 0
@@ -85,6 +88,8 @@ class NoWeightTransfer:
         pass
 
     def send_weights(self, iterator) -> None:
+        for _ in iterator:
+            pass
         self.syncs += 1
 
     def resume(self) -> None:
