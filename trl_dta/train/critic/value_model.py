@@ -35,6 +35,7 @@ import torch
 from accelerate.utils import DistributedType
 from torch import nn
 
+from ...walk.distributed.deepspeed import is_zero3
 from ..dense_fallback import refuse_always
 from ..step_results import StepSequence
 from . import engine as deepspeed_engine
@@ -104,7 +105,7 @@ class ValueModel:
             kwargs.setdefault("trust_remote_code", args.trust_remote_code)
             kwargs["device_map"] = None  # (placed on the trainer's device below)
             value_model = load_value_model(value_model, **kwargs)
-        if not any(hasattr(p, "ds_id") for p in value_model.parameters()):  # (ZeRO-3: placed by zero.Init)
+        if not is_zero3(value_model):  # (ZeRO-3: placed by zero.Init)
             value_model = value_model.to(accelerator.device)
         self.model = value_model.train()  # (the mode the Trainer gives the policy)
         self.args, self.accelerator, self.walker = args, accelerator, walker
